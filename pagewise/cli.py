@@ -1,0 +1,113 @@
+"""``pagewise`` command line: generate | bench … | serve | db | tenants | keys."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags with vLLM's names; defaults come from ``EngineConfig``."""
+    from pagewise.engine.loader import DEFAULT_MODEL
+
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--swap-space-bytes", type=int, default=1024**3)
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    group.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    group.add_argument("--device", default="cpu")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--cache-dir", default=None, help="where converted weights are cached")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pagewise.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space_bytes=args.swap_space_bytes,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagewise.engine.errors import InvalidConfigError, InvalidRequestError
+    from pagewise.engine.llm import LLM
+    from pagewise.engine.sampling_params import SamplingParams
+
+    try:
+        config = engine_config_from_args(args)
+        llm = LLM.from_config(config)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            outputs = llm.generate(args.prompts, params)
+    except (InvalidConfigError, InvalidRequestError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        print(f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagewise", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=_generate)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _register_optional(bench, ["pagewise.bench.throughput", "pagewise.bench.kernels", "pagewise.bench.serving"])
+    _register_optional(commands, ["pagewise.platform.cli"])
+    return parser
+
+
+def _register_optional(subparsers, modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name and name.startswith(error.name):
+                continue
+            raise
+        module.register(subparsers)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Engine arguments (vLLM's names), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagewise.engine.errors import InvalidConfigError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes an engine. ``None`` means "derive it": see ``resolve``.
+
+    - ``max_model_len``: longest prompt + output; defaults to the model's context length, capped at 8,192.
+    - ``max_num_batched_tokens``: the per-step token budget; ``None`` = ``max(2,048, max_model_len)``.
+    - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU, ``gpu_memory_utilization`` of
+      the free device memory on CUDA.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 1024**3
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidConfigError(message)
+
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            fail(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            fail(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            fail(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            fail(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            fail(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space_bytes < 0:
+            fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.dtype not in _DTYPES:
+            fail(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            fail(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            fail(f"device {self.device!r} requested but CUDA is not available")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolve_max_model_len(self, model_context_len: int) -> int:
+        """``max_model_len`` checked against the model's context window (or derived from it)."""
+        if self.max_model_len is None:
+            return min(model_context_len, 8192)
+        if self.max_model_len > model_context_len:
+            raise InvalidConfigError(
+                f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_context_len:,}"
+            )
+        return self.max_model_len
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise InvalidConfigError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens:,}) is smaller than max_model_len "
+                    f"({max_model_len:,}); enable chunked prefill or raise the budget"
+                )
+            return self.max_num_batched_tokens
+        return max(2048, max_model_len)
+
+    def resolve_kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if self.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            return int(free * self.gpu_memory_utilization)
+        return _DEFAULT_CPU_KV_BYTES

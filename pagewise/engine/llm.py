@@ -1,0 +1,110 @@
+"""``LLM``: the offline, batch-at-once interface (vLLM's ``LLM`` class)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagewise.engine.config import EngineConfig
+from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.llm_engine import LLMEngine, PromptInput
+from pagewise.engine.loader import DEFAULT_MODEL
+from pagewise.engine.outputs import RequestOutput
+from pagewise.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model, **engine_args).generate(prompts, sampling_params)``: run prompts to completion.
+
+    ``engine_args`` are ``EngineConfig`` fields (``block_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``, …).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, progress: bool = True, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> LLM:
+        fields = {name: getattr(config, name) for name in config.__dataclass_fields__ if name != "model"}
+        return cls(config.model, progress=progress, **fields)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant_id: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order. A prompt is a ``str`` or a list of token
+        ids. All prompts are validated before any is queued, so a bad one leaves the engine untouched."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params, len(batch))
+        for prompt, p in zip(batch, params, strict=True):
+            self.engine.process_prompt(prompt, p)
+        ids = [f"llm-{next(self._ids)}" for _ in batch]
+        try:
+            for request_id, prompt, p in zip(ids, batch, params, strict=True):
+                self.engine.add_request(request_id, prompt, p, tenant_id)
+            return self._run(ids, use_tqdm)
+        finally:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant_id: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, tenant_id, use_tqdm)
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        with bar:
+            while len(results) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine stopped with requests unfinished")
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise InvalidRequestError("no prompts given")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,123 @@
+"""Turns a scheduler step into tensors, runs the model over the paged KV cache, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from pagewise import kernels
+from pagewise.engine.kv_cache_manager import BlockOp
+from pagewise.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from pagewise.engine.request import Request
+from pagewise.engine.sampler import SampleResult, Sampler
+from pagewise.engine.scheduler import SchedulerOutput
+
+
+class KVCache:
+    """Per-layer key/value caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the device, plus an
+    optional host swap space of the same layout."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_swap_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        host_shape = (num_swap_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.host = [
+            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(num_layers if num_swap_blocks else 0)
+        ]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def run(self, ops: list[BlockOp]) -> None:
+        """Execute block copies in order, batching consecutive ops of one kind."""
+        start = 0
+        while start < len(ops):
+            end = start
+            while end < len(ops) and ops[end].kind == ops[start].kind:
+                end += 1
+            self._run_batch(ops[start].kind, [(op.src, op.dst) for op in ops[start:end]])
+            start = end
+
+    def _run_batch(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        if kind == "copy":
+            kernels.copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers], mapping)
+            return
+        for (dev_k, dev_v), (host_k, host_v) in zip(self.layers, self.host, strict=True):
+            if kind == "swap_out":
+                kernels.swap_blocks(dev_k, host_k, mapping)
+                kernels.swap_blocks(dev_v, host_v, mapping)
+            else:
+                kernels.swap_blocks(host_k, dev_k, mapping)
+                kernels.swap_blocks(host_v, dev_v, mapping)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> dict[Request, SampleResult]:
+        """Run one step; returns a sample for every request whose tokens are all computed after this step."""
+        self.kv_cache.run(step.block_ops)
+        batch = [(r, n) for r, n in step.scheduled.items() if n > 0]
+        if not batch:
+            return {}
+        input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        sample_rows: dict[Request, int] = {}
+        bs = self.block_size
+        for request, num_new in batch:
+            begin = request.num_computed_tokens
+            end = begin + num_new
+            input_ids.extend(request.token_ids[begin:end])
+            positions.extend(range(begin, end))
+            table = request.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            if end == request.num_tokens:
+                sample_rows[request] = starts[-1] - 1
+        for follower, leader in step.sample_sources.items():
+            if leader in sample_rows:
+                sample_rows[follower] = sample_rows[leader]
+        max_blocks = max(len(r.block_ids) for r, _ in batch)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in batch]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache.layers,
+            meta,
+        )
+        if not sample_rows:
+            return {}
+        requests = list(sample_rows)
+        rows = torch.tensor([sample_rows[r] for r in requests], dtype=torch.int64, device=dev)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return dict(zip(requests, self.sampler(logits, requests), strict=True))

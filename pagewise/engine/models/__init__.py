@@ -1,0 +1,1 @@
+"""Model implementations written against ``pagewise.kernels``."""
