@@ -7,6 +7,7 @@ The slot of a token is ``block_id * block_size + offset``.
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 def reshape_and_cache(
@@ -36,22 +37,21 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` queries placed at the end of a ``k``-token context.
 
-    query ``[b, q, num_heads, d]``; key/value ``[b, k, num_kv_heads, d]``; the i-th query sees keys ``0..k-q+i``.
-    Softmax runs in fp32; the result has the query's dtype.
+    query ``[q, num_heads, d]``; key/value ``[k, num_kv_heads, d]``; the i-th query sees keys ``0..k-q+i``.
+    Computed in fp32; the result has the query's dtype.
     """
-    num_heads, num_kv_heads = query.shape[2], key.shape[2]
-    group = num_heads // num_kv_heads
-    q_len, k_len = query.shape[1], key.shape[1]
-    q = query.float().transpose(1, 2)  # [b, h, q, d]
-    k = key.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    v = value.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if q_len > 1:
+    q_len, k_len = query.shape[0], key.shape[0]
+    q = query.float().transpose(0, 1)[None]  # [1, h, q, d]
+    k = key.float().transpose(0, 1)[None]
+    v = value.float().transpose(0, 1)[None]
+    mask = None
+    if q_len > 1 and q_len != k_len:
         q_pos = torch.arange(k_len - q_len, k_len, device=query.device)
-        k_pos = torch.arange(k_len, device=query.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).transpose(1, 2).to(query.dtype)
+        mask = torch.arange(k_len, device=query.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=q_len > 1 and q_len == k_len, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 def _decode_batch(
@@ -115,7 +115,7 @@ def paged_attention(
         keys = _gather_context(key_cache, block_tables[s], lens[s])
         values = _gather_context(value_cache, block_tables[s], lens[s])
         q = query[starts[s] : starts[s + 1]]
-        out[starts[s] : starts[s + 1]] = _attend(q[None], keys[None], values[None], scale)[0]
+        out[starts[s] : starts[s + 1]] = _attend(q, keys, values, scale)
     return out
 
 
