@@ -59,8 +59,9 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         llm = LLM.from_config(config)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
@@ -70,7 +71,9 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
-        print(f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]\n")
+        print(
+            f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]\n"
+        )
     return 0
 
 
@@ -86,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    _register_optional(bench, ["pagewise.bench.throughput", "pagewise.bench.kernels", "pagewise.bench.serving"])
+    _register_optional(
+        bench, ["pagewise.bench.throughput", "pagewise.bench.kernels", "pagewise.bench.serving"]
+    )
     _register_optional(commands, ["pagewise.platform.cli"])
     return parser
 

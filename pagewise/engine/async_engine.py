@@ -144,7 +144,9 @@ class AsyncLLMEngine:
             if not wanted:
                 continue
             try:
-                self.engine.add_request(request_id, token_ids, params, tenant_id, delta=True, prompt_text=text)
+                self.engine.add_request(
+                    request_id, token_ids, params, tenant_id, delta=True, prompt_text=text
+                )
             except InvalidRequestError as error:
                 self._deliver(request_id, error)
 

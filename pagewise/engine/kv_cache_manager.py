@@ -60,7 +60,9 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: list[KVBlock] | None = None
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of KV (after a prefix hit ``prefix``, at admission).
 
         Returns False and changes nothing if the pool cannot supply the blocks. On success the prefix blocks are
@@ -129,7 +131,9 @@ class KVCacheManager:
         if len(request.block_ids) > len(self.swap.free_slots):
             return False
         slots = [self.swap.free_slots.pop() for _ in request.block_ids]
-        self.block_ops.extend(BlockOp("swap_out", b, s) for b, s in zip(request.block_ids, slots, strict=True))
+        self.block_ops.extend(
+            BlockOp("swap_out", b, s) for b, s in zip(request.block_ids, slots, strict=True)
+        )
         request.swap_slots = slots
         self.free(request)
         return True

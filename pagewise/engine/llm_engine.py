@@ -17,7 +17,7 @@ from pagewise.engine.model_runner import KVCache, ModelRunner
 from pagewise.engine.models.llama import LlamaForCausalLM
 from pagewise.engine.outputs import CompletionOutput, RequestOutput
 from pagewise.engine.request import Request
-from pagewise.engine.sampler import SampleResult, Sampler
+from pagewise.engine.sampler import Sampler, SampleResult
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.engine.scheduler import Scheduler, SchedulerOutput
 from pagewise.engine.tokenizer import IncrementalDetokenizer
@@ -59,7 +59,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, dtype=config.torch_dtype, cache_dir=config.cache_dir, progress=progress)
+        loaded = load_model(
+            config.model, dtype=config.torch_dtype, cache_dir=config.cache_dir, progress=progress
+        )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.generation_eos_token_ids)
@@ -83,12 +85,25 @@ class LLMEngine:
         model.load_hf_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
-        kv_cache = KVCache(arch.num_layers, self.num_blocks, num_swap, config.block_size, arch.num_kv_heads,
-                           arch.head_dim, config.torch_dtype, self.device)
+        kv_cache = KVCache(
+            arch.num_layers,
+            self.num_blocks,
+            num_swap,
+            config.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            config.torch_dtype,
+            self.device,
+        )
         self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, num_swap)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.preemption_mode)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.preemption_mode,
+        )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sampler = Sampler(self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device)
@@ -150,12 +165,23 @@ class LLMEngine:
         samples = []
         for index in range(params.n):
             sample_params = params.for_sample(index) if params.n > 1 else params
-            request = Request(f"{request_id}#{index}" if params.n > 1 else request_id, token_ids, sample_params,
-                              arrival, tenant_id, group_id=request_id, sample_index=index)
+            request = Request(
+                f"{request_id}#{index}" if params.n > 1 else request_id,
+                token_ids,
+                sample_params,
+                arrival,
+                tenant_id,
+                group_id=request_id,
+                sample_index=index,
+            )
             if sample_params.seed is not None:
                 request.generator = torch.Generator(self.device).manual_seed(sample_params.seed)
-            samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                                   sample_params.skip_special_tokens)))
+            samples.append(
+                _Sample(
+                    request,
+                    IncrementalDetokenizer(self.tokenizer, token_ids, sample_params.skip_special_tokens),
+                )
+            )
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         text = prompt if isinstance(prompt, str) else prompt_text
         group = _Group(request_id, text, token_ids, samples, delta, hold)
@@ -232,7 +258,9 @@ class LLMEngine:
         request.stop_reason = stop_reason
         self.scheduler.finish(request)
 
-    def _collect_outputs(self, step: SchedulerOutput, samples: dict[Request, SampleResult]) -> list[RequestOutput]:
+    def _collect_outputs(
+        self, step: SchedulerOutput, samples: dict[Request, SampleResult]
+    ) -> list[RequestOutput]:
         outputs = []
         for request in samples:
             group = self._owner.get(request)
@@ -260,19 +288,27 @@ class LLMEngine:
             else:
                 begin_tok = begin_chr = 0
             logprobs = request.output_logprobs[begin_tok:] if request.params.logprobs is not None else None
-            completions.append(CompletionOutput(
-                index=index,
-                text=sample.text[begin_chr:visible],
-                token_ids=request.output_token_ids[begin_tok:],
-                finish_reason=request.finish_reason,
-                logprobs=logprobs,
-                stop_reason=request.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=sample.text[begin_chr:visible],
+                    token_ids=request.output_token_ids[begin_tok:],
+                    finish_reason=request.finish_reason,
+                    logprobs=logprobs,
+                    stop_reason=request.stop_reason,
+                )
+            )
             sample.num_sent_tokens = request.num_output_tokens
             sample.num_sent_chars = max(visible, begin_chr)
             sample.finish_sent = request.finished
-        return RequestOutput(group.request_id, group.prompt_token_ids, completions, group.finished,
-                             group.samples[0].request.num_cached_tokens, group.prompt)
+        return RequestOutput(
+            group.request_id,
+            group.prompt_token_ids,
+            completions,
+            group.finished,
+            group.samples[0].request.num_cached_tokens,
+            group.prompt,
+        )
 
     def _track_utilization(self) -> None:
         in_use = self.num_blocks - self.pool.num_free

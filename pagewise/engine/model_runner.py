@@ -8,7 +8,7 @@ from pagewise import kernels
 from pagewise.engine.kv_cache_manager import BlockOp
 from pagewise.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from pagewise.engine.request import Request
-from pagewise.engine.sampler import SampleResult, Sampler
+from pagewise.engine.sampler import Sampler, SampleResult
 from pagewise.engine.scheduler import SchedulerOutput
 
 
@@ -35,13 +35,25 @@ class KVCache:
         host_shape = (num_swap_blocks, *shape[1:])
         pin = device.type == "cuda"
         self.host = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            (
+                torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
+            )
             for _ in range(num_layers if num_swap_blocks else 0)
         ]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2
+            * num_layers
+            * block_size
+            * num_kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
 
     def run(self, ops: list[BlockOp]) -> None:
         """Execute block copies in order, batching consecutive ops of one kind."""
@@ -68,8 +80,14 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler

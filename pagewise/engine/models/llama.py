@@ -179,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
 
         def put(name: str, tensor: torch.Tensor) -> None:
             if own[name].shape != tensor.shape:
-                raise ValueError(f"weight {name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"weight {name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}"
+                )
             own[name].copy_(tensor)
             loaded.add(name)
 
@@ -190,15 +192,28 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.arch.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", torch.cat([weights[attn + f"{p}_proj.weight"] for p in "qkv"]))
+            put(
+                dst + "self_attn.qkv_proj.weight",
+                torch.cat([weights[attn + f"{p}_proj.weight"] for p in "qkv"]),
+            )
             if self.arch.attention_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat([weights[attn + f"{p}_proj.bias"] for p in "qkv"]))
+                put(
+                    dst + "self_attn.qkv_proj.bias",
+                    torch.cat([weights[attn + f"{p}_proj.bias"] for p in "qkv"]),
+                )
             put(dst + "self_attn.o_proj.weight", weights[attn + "o_proj.weight"])
             mlp = src + "mlp."
-            put(dst + "mlp.gate_up_proj.weight", torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+            put(
+                dst + "mlp.gate_up_proj.weight",
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
+            )
             put(dst + "mlp.down_proj.weight", weights[mlp + "down_proj.weight"])
             put(dst + "input_layernorm.weight", weights[src + "input_layernorm.weight"])
             put(dst + "post_attention_layernorm.weight", weights[src + "post_attention_layernorm.weight"])
-        missing = {n for n in own if n not in loaded and not (n == "lm_head.weight" and self.arch.tie_word_embeddings)}
+        missing = {
+            n
+            for n in own
+            if n not in loaded and not (n == "lm_head.weight" and self.arch.tie_word_embeddings)
+        }
         if missing:
             raise ValueError(f"weights missing for: {sorted(missing)[:5]}")

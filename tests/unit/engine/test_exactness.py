@@ -18,12 +18,18 @@ MAX_TOKENS = 12
 VARIANTS = {
     "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama-mha-untied-theta": dict(
-        model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
-    "qwen2-bias": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1, rope_theta=1000000.0),
-    "mistral-gqa": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                        sliding_window=None),
+    "qwen2-bias": dict(
+        model_type="qwen2", num_attention_heads=4, num_key_value_heads=1, rope_theta=1000000.0
+    ),
+    "mistral-gqa": dict(
+        model_type="mistral", num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None
+    ),
 }
 
 
@@ -44,7 +50,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
             eos_token_id=None,
             pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +90,9 @@ def test_greedy_matches_hf_under_preemption(oracle, variant: str) -> None:
     path, model, expected = oracle(variant)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, head_dim,
-                                        torch.float32)
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, head_dim, torch.float32
+    )
     # 20 blocks hold the longest request (100 + 12 tokens = 14 blocks) but not the whole batch at once.
     llm = LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, progress=False)
     assert greedy(llm, prompts()) == expected

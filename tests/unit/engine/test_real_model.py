@@ -30,10 +30,13 @@ def llm() -> LLM:
 def hf_greedy(model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_hf_on_real_weights(llm: LLM, hf_smollm2) -> None:
@@ -47,8 +50,11 @@ def test_greedy_matches_hf_on_real_weights(llm: LLM, hf_smollm2) -> None:
 
 
 def test_chat_answers_sensibly(llm: LLM) -> None:
-    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended on EOS, which is not in the text
 
@@ -62,7 +68,8 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
 
 
 def test_text_equals_decode_of_tokens(llm: LLM) -> None:
-    (out,) = llm.generate("Write the word café and an emoji: ", SamplingParams(temperature=0, max_tokens=20),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        "Write the word café and an emoji: ", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )
     completion = out.outputs[0]
     assert completion.text == llm.tokenizer.decode(completion.token_ids)

@@ -30,7 +30,10 @@ def check_invariants(scheduler: Scheduler, pool: BlockPool, live: list[Request])
         assert block.ref_count == holders.get(block.block_id, 0) >= 0
         assert (block.ref_count == 0) == (block.block_id in in_queue)
     for request in scheduler.running:
-        assert len(request.block_ids) == -(-request.num_computed_tokens // BS) or request.num_computed_tokens == 0
+        assert (
+            len(request.block_ids) == -(-request.num_computed_tokens // BS)
+            or request.num_computed_tokens == 0
+        )
 
 
 def check_writes_exclusive(pool: BlockPool, step) -> None:
@@ -61,12 +64,20 @@ def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_s
     arrivals = 0
     for _ in range(150):
         if arrivals < 20 and rng.random() < 0.4:
-            prompt = (shared_prefix if rng.random() < 0.5 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 12))]
+            prompt = (shared_prefix if rng.random() < 0.5 else []) + [
+                rng.randrange(50) for _ in range(rng.randint(1, 12))
+            ]
             n = rng.choice([1, 1, 2, 3]) if max_num_seqs >= 3 else 1
             max_tokens = rng.randint(1, 10)
             group = [
-                Request(f"r{arrivals}#{i}", prompt, SamplingParams(max_tokens=max_tokens), arrivals,
-                        rng.choice(["a", "b"]), sample_index=i)
+                Request(
+                    f"r{arrivals}#{i}",
+                    prompt,
+                    SamplingParams(max_tokens=max_tokens),
+                    arrivals,
+                    rng.choice(["a", "b"]),
+                    sample_index=i,
+                )
                 for i in range(n)
             ]
             capacity = num_blocks * BS
