@@ -1,0 +1,5 @@
+import sys
+
+from pagewise.platform.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""The Litestar app factory: routes registered in one place, services built in the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+
+from pagewise.platform.admin.controllers import AdminController
+from pagewise.platform.db.migrate import upgrade_head
+from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
+from pagewise.platform.engine_client import EngineClient, InProcessEngineClient
+from pagewise.platform.errors import EXCEPTION_HANDLERS
+from pagewise.platform.inference.controllers import InferenceController
+from pagewise.platform.keys.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
+from pagewise.platform.keys.controllers import KeyController
+from pagewise.platform.keys.service import KeyService
+from pagewise.platform.quotas.memory_store import InProcessQuotaStore
+from pagewise.platform.quotas.quota_store import QuotaStore
+from pagewise.platform.quotas.redis_store import RedisQuotaStore
+from pagewise.platform.requests.controllers import RequestController
+from pagewise.platform.requests.store import RequestStore
+from pagewise.platform.services import PlatformServices, provide_services
+from pagewise.platform.settings import Settings
+from pagewise.platform.system import health, metrics, ready
+from pagewise.platform.telemetry import PlatformMetrics
+from pagewise.platform.tenants.controllers import TenantController
+from pagewise.platform.usage.controllers import UsageController
+
+logger = logging.getLogger("pagewise.platform")
+
+
+def load_engine(settings: Settings) -> InProcessEngineClient:
+    """Load the model into an in-process engine (seconds to minutes; blocking)."""
+    from pagewise.engine.async_engine import AsyncLLMEngine
+    from pagewise.engine.config import EngineConfig
+
+    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs())))
+
+
+def announce_admin_key(key: str) -> None:
+    print(
+        "\n  pagewise: first start on an empty database — created tenant 'admin' and an admin API key:\n\n"
+        f"      {key}\n\n"
+        "  It is shown only this once. Create a tenant and an inference key with it:\n"
+        "      pagewise tenants create acme && pagewise keys create --tenant acme\n"
+        "  or over HTTP: POST /admin/tenants {\"name\": \"acme\"}, then POST /admin/tenants/<id>/keys {}\n",
+        flush=True,
+    )
+
+
+def create_app(
+    settings: Settings | None = None, *, engine: EngineClient | None = None, quotas: QuotaStore | None = None
+) -> Litestar:
+    """The service. `engine` and `quotas` may be passed in (tests); otherwise they are built from settings.
+
+    A passed-in engine is started but not shut down by the app; one the app loads itself is both.
+    """
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if settings.auto_migrate:
+            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
+        db = create_db_engine(settings.database_url)
+        sessionmaker = create_sessionmaker(db)
+        client = engine or await anyio.to_thread.run_sync(load_engine, settings)
+        store = quotas or (
+            RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix)
+            if settings.redis_url
+            else InProcessQuotaStore()
+        )
+        services = PlatformServices(
+            settings, client, store, sessionmaker, RequestStore(sessionmaker), PlatformMetrics(client)
+        )
+        app.state.services, app.state.sessionmaker = services, sessionmaker
+        if settings.is_embedded:
+            interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
+            if interrupted:
+                logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
+        async with sessionmaker() as session:
+            created = await KeyService(session).bootstrap_admin()
+        if created is not None:
+            announce_admin_key(created.key)
+        client.start()
+        try:
+            yield
+        finally:
+            await services.drain()
+            if engine is None:
+                client.shutdown()
+            if quotas is None:
+                await store.close()
+            await db.dispose()
+
+    return Litestar(
+        route_handlers=[
+            health,
+            ready,
+            metrics,
+            InferenceController,
+            RequestController,
+            UsageController,
+            TenantController,
+            KeyController,
+            AdminController,
+        ],
+        dependencies={
+            "services": Provide(provide_services, sync_to_thread=False),
+            "db_session": Provide(provide_db_session),
+        },
+        middleware=[DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS])],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="pagewise", version="0.1.0", path="/schema"),
+    )

@@ -1,0 +1,225 @@
+"""`pagewise serve | db upgrade | tenants … | keys …` — registered into the top-level CLI by `register`.
+
+Engine flags on `serve` override `PAGEWISE_*` variables only when given; admin commands work on the configured
+database directly (no server needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pagewise.platform.errors import APIError
+from pagewise.platform.settings import EngineSettings, Settings, SettingsError
+
+_QUOTA_FLAGS = {
+    "requests_per_minute": "--rpm",
+    "tokens_per_minute": "--tpm",
+    "monthly_token_budget": "--monthly-token-budget",
+    "max_concurrent_requests": "--max-concurrent",
+    "max_tokens_per_request": "--max-tokens-per-request",
+    "max_n": "--max-n",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object."""
+    from pagewise.cli import add_engine_arguments
+
+    serve = subparsers.add_parser("serve", help="run the API server with the engine in this process")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(func=serve_command, **dict.fromkeys(EngineSettings.__struct_fields__))
+
+    db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
+    db.add_parser("upgrade", help="apply Alembic migrations up to head").set_defaults(func=db_upgrade_command)
+
+    tenants = subparsers.add_parser("tenants", help="manage tenants").add_subparsers(
+        dest="tenants_command", required=True
+    )
+    create = tenants.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    _add_quota_flags(create)
+    create.set_defaults(func=_sync(_tenants_create))
+    tenants.add_parser("list", help="list tenants").set_defaults(func=_sync(_tenants_list))
+    update = tenants.add_parser("update", help="change a tenant's quotas or status (-1 = no limit)")
+    update.add_argument("name")
+    update.add_argument("--status", choices=["active", "suspended"])
+    _add_quota_flags(update)
+    update.set_defaults(func=_sync(_tenants_update))
+
+    keys = subparsers.add_parser("keys", help="manage API keys").add_subparsers(
+        dest="keys_command", required=True
+    )
+    key_create = keys.add_parser("create", help="create a key and print it (shown once)")
+    key_create.add_argument("--tenant", required=True, help="tenant name")
+    key_create.add_argument("--scope", action="append", choices=["inference", "admin"], dest="scopes")
+    key_create.add_argument("--name", default="")
+    key_create.set_defaults(func=_sync(_keys_create))
+    key_list = keys.add_parser("list", help="list keys (never their secrets)")
+    key_list.add_argument("--tenant", help="tenant name")
+    key_list.set_defaults(func=_sync(_keys_list))
+    revoke = keys.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=_sync(_keys_revoke))
+
+
+def _add_quota_flags(parser: argparse.ArgumentParser) -> None:
+    for field, flag in _QUOTA_FLAGS.items():
+        parser.add_argument(flag, dest=field, type=int, help=field.replace("_", " "))
+
+
+def _settings(args: argparse.Namespace | None = None) -> Settings:
+    engine = {f: getattr(args, f, None) for f in EngineSettings.__struct_fields__} if args else {}
+    return Settings.from_env(engine=engine)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagewise.engine.config import EngineConfig
+    from pagewise.engine.errors import InvalidConfigError
+    from pagewise.platform.app import create_app
+
+    try:
+        settings = _settings(args)
+        EngineConfig(**settings.engine.engine_kwargs())  # validate before loading anything
+    except (SettingsError, InvalidConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def db_upgrade_command(args: argparse.Namespace) -> int:
+    from pagewise.platform.db.migrate import upgrade_head
+
+    try:
+        settings = _settings()
+    except SettingsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    upgrade_head(settings.database_url)
+    print(f"database at {settings.database_url} is at the latest revision")
+    return 0
+
+
+def _sync(
+    command: Callable[[Any, argparse.Namespace], Awaitable[None]],
+) -> Callable[[argparse.Namespace], int]:
+    """Run an admin command in a session on the configured (migrated) database; API errors exit 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        from pagewise.platform.db.migrate import upgrade_head
+        from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+
+        try:
+            settings = _settings()
+        except SettingsError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        upgrade_head(settings.database_url)
+
+        async def main() -> None:
+            engine = create_db_engine(settings.database_url)
+            try:
+                async with create_sessionmaker(engine)() as session:
+                    await command(session, args)
+            finally:
+                await engine.dispose()
+
+        try:
+            asyncio.run(main())
+        except APIError as error:
+            print(f"error: {error.message}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run
+
+
+def _quota_values(args: argparse.Namespace) -> dict[str, int | None]:
+    given = {f: getattr(args, f) for f in _QUOTA_FLAGS if getattr(args, f) is not None}
+    return {f: None if v < 0 else v for f, v in given.items()}
+
+
+def _print_tenant(tenant: Any) -> None:
+    quotas = " ".join(f"{f}={getattr(tenant, f)}" for f in _QUOTA_FLAGS)
+    print(f"{tenant.id}  {tenant.name}  {tenant.status}  {quotas}")
+
+
+async def _tenants_create(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.tenants.schemas import TenantCreate
+    from pagewise.platform.tenants.service import TenantService
+
+    _print_tenant(await TenantService(session).create(TenantCreate(name=args.name, **_quota_values(args))))
+
+
+async def _tenants_list(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.tenants.service import TenantService
+
+    for tenant in await TenantService(session).list():
+        _print_tenant(tenant)
+
+
+async def _tenants_update(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.tenants.schemas import TenantUpdate
+    from pagewise.platform.tenants.service import TenantService
+
+    service = TenantService(session)
+    tenant = await service.get_by_name(args.name)
+    changes = _quota_values(args) | ({"status": args.status} if args.status else {})
+    _print_tenant(await service.update(tenant.id, TenantUpdate(**changes)))
+
+
+async def _keys_create(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.keys.schemas import KeyCreate
+    from pagewise.platform.keys.service import KeyService
+    from pagewise.platform.tenants.service import TenantService
+
+    tenant = await TenantService(session).get_by_name(args.tenant)
+    created = await KeyService(session).create(
+        tenant.id, KeyCreate(name=args.name, scopes=args.scopes or ["inference"])
+    )
+    print(created.key)
+    print(
+        f"(key {created.id} for tenant {tenant.name}, scopes {','.join(created.scopes)}; shown only once)",
+        file=sys.stderr,
+    )
+
+
+async def _keys_list(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.keys.service import KeyService
+    from pagewise.platform.tenants.service import TenantService
+
+    tenant_id = (await TenantService(session).get_by_name(args.tenant)).id if args.tenant else None
+    for key in await KeyService(session).list(tenant_id):
+        state = "revoked" if key.revoked_at else "active"
+        print(f"{key.id}  pw_{key.prefix}_…  tenant={key.tenant_id}  scopes={','.join(key.scopes)}  {state}")
+
+
+async def _keys_revoke(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.db.models import ApiKey
+    from pagewise.platform.errors import not_found
+    from pagewise.platform.keys.service import KeyService
+
+    key = await session.get(ApiKey, args.key_id)
+    if key is None:
+        raise not_found("API key", args.key_id)
+    await KeyService(session).revoke(key.tenant_id, key.id)
+    print(f"revoked {key.id}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagewise.platform …`: the same commands without the engine's own CLI."""
+    parser = argparse.ArgumentParser(prog="pagewise")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: chat completions, completions (sync and streamed) and models."""

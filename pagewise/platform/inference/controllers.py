@@ -1,0 +1,76 @@
+"""`/v1/chat/completions`, `/v1/completions` and `/v1/models` (inference scope)."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, Response, get, post
+from litestar.response import Stream
+
+from pagewise.platform.errors import APIError
+from pagewise.platform.inference.job import InferenceJob
+from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
+from pagewise.platform.inference.rendering import chat_completion, chat_events, completion, completion_events
+from pagewise.platform.inference.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    Model,
+    ModelList,
+)
+from pagewise.platform.keys.auth import Principal, requires_scope
+from pagewise.platform.services import PlatformServices
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class InferenceController(Controller):
+    path = "/v1"
+    guards = [requires_scope("inference")]
+    tags = ["inference"]
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(
+        self,
+        data: ChatCompletionRequest,
+        request: Request[Principal, str, object],
+        services: PlatformServices,
+    ) -> Response[ChatCompletion]:
+        """OpenAI Chat Completions; `stream: true` answers with server-sent events ending in `[DONE]`."""
+        job = await InferenceJob.admit(
+            services, request.user, prepare_chat(data, request.user, services.engine)
+        )
+        if job.prepared.stream:
+            return Stream(
+                chat_events(job), media_type="text/event-stream", headers={**SSE_HEADERS, **job.headers}
+            )
+        return Response(chat_completion(job, await job.collect()), headers=job.headers)
+
+    @post("/completions", status_code=200)
+    async def completions(
+        self, data: CompletionRequest, request: Request[Principal, str, object], services: PlatformServices
+    ) -> Response[Completion]:
+        """OpenAI (legacy) Completions; `prompt` may be a string, strings, token ids or lists of token ids."""
+        job = await InferenceJob.admit(
+            services, request.user, prepare_completion(data, request.user, services.engine)
+        )
+        if job.prepared.stream:
+            return Stream(
+                completion_events(job), media_type="text/event-stream", headers={**SSE_HEADERS, **job.headers}
+            )
+        return Response(completion(job, await job.collect()), headers=job.headers)
+
+    @get("/models")
+    async def list_models(self, services: PlatformServices) -> ModelList:
+        return ModelList([_model(services)])
+
+    @get("/models/{model_id:str}")
+    async def get_model(self, model_id: str, services: PlatformServices) -> Model:
+        if model_id != services.engine.model_name:
+            raise APIError(
+                404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
+            )
+        return _model(services)
+
+
+def _model(services: PlatformServices) -> Model:
+    return Model(services.engine.model_name, services.started_at, "pagewise", services.engine.max_model_len)

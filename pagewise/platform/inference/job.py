@@ -1,0 +1,258 @@
+"""One admitted inference request, from quota reservation to its final row.
+
+Invariants:
+- Admission reserves quota first and writes the `queued` row second; if the write fails the reservation is
+  released, so there is never a row without a reservation or a reservation without a row.
+- `finish` runs exactly once, whatever ends the job (completion, engine error, client disconnect, DELETE,
+  shutdown); it writes the final row with the day's usage and reconciles the quota to the billed tokens.
+- Billed tokens are what the engine really counted: each prompt that reached the engine plus every token it
+  generated, even for a cancelled request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pagewise.platform.db.ids import new_id
+from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.engine_client import ChoiceDelta, GenerationDelta, PositionLogprobs
+from pagewise.platform.inference.prompts import PreparedRequest
+from pagewise.platform.keys.auth import Principal
+from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
+from pagewise.platform.quotas.quota_store import Reservation
+from pagewise.platform.requests.store import FinishedRequest
+from pagewise.platform.services import PlatformServices
+
+_ID_PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """Everything one sample produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+@dataclass(slots=True)
+class _PromptState:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reached_engine: bool = False
+
+
+class InferenceJob:
+    def __init__(
+        self,
+        services: PlatformServices,
+        principal: Principal,
+        prepared: PreparedRequest,
+        request_id: str,
+        reservation: Reservation,
+        headers: dict[str, str],
+    ) -> None:
+        self.services = services
+        self.principal = principal
+        self.prepared = prepared
+        self.id = request_id
+        self.reservation = reservation
+        self.headers = headers
+        self.created = int(time.time())
+        self.choices = {i: ChoiceState(i) for i in range(len(prepared.prompts) * prepared.params.n)}
+        self._prompts = [_PromptState() for _ in prepared.prompts]
+        self._start = time.monotonic()
+        self._started_at = dt.datetime.now(dt.UTC)
+        self._first_token: float | None = None
+        self._first_token_at: dt.datetime | None = None
+        self._persisting: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def admit(
+        cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest
+    ) -> InferenceJob:
+        """Reserve quota (429 when refused), then persist the `queued` row."""
+        request_id = new_id(_ID_PREFIX[prepared.endpoint])
+        tokens = prepared.reserved_tokens
+        decision = await services.quotas.reserve(principal.tenant_id, principal.limits, tokens, request_id)
+        if decision.reservation is None:
+            services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
+            raise quota_exceeded(decision, tokens)
+        record = RequestRecord(
+            id=request_id,
+            tenant_id=principal.tenant_id,
+            api_key_id=principal.key_id,
+            endpoint=prepared.endpoint,
+            model=prepared.model,
+            input=prepared.input,
+            params=prepared.params_record(),
+            status="queued",
+        )
+        try:
+            await services.requests.create(record)
+        except BaseException:
+            await services.quotas.reconcile(decision.reservation, 0)
+            raise
+        return cls(
+            services, principal, prepared, request_id, decision.reservation, rate_limit_headers(decision)
+        )
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens the engine counted so far."""
+        prompt = sum(p.prompt_tokens for p in self._prompts if p.reached_engine)
+        cached = sum(p.cached_tokens for p in self._prompts if p.reached_engine)
+        return prompt, sum(c.num_tokens for c in self.choices.values()), cached
+
+    async def run(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas with request-wide choice indexes. Leaving early cancels the request (and bills it)."""
+        status, error = "cancelled", None
+        n = self.prepared.params.n
+        try:
+            async with aclosing(self._engine_deltas()) as deltas:
+                async for prompt_index, delta in deltas:
+                    self._record(prompt_index, delta)
+                    for choice in delta.choices:
+                        yield ChoiceDelta(
+                            prompt_index * n + choice.index,
+                            choice.text,
+                            choice.token_ids,
+                            choice.finish_reason,
+                            choice.logprobs,
+                        )
+            status = "completed"
+        except Exception as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            await self.finish(status, error)
+
+    async def collect(self) -> list[ChoiceState]:
+        """Run to the end; the choices in index order."""
+        async with aclosing(self.run()) as deltas:
+            async for _ in deltas:
+                pass
+        return [self.choices[i] for i in sorted(self.choices)]
+
+    def _engine_deltas(self) -> AsyncIterator[tuple[int, GenerationDelta]]:
+        engine, tenant = self.services.engine, self.principal.tenant_id  # the salt comes from the key only
+        streams = [
+            engine.generate(prompt, self.prepared.params, f"{self.id}-{i}", tenant)
+            for i, prompt in enumerate(self.prepared.prompts)
+        ]
+        return _merge(streams)
+
+    def _record(self, prompt_index: int, delta: GenerationDelta) -> None:
+        prompt = self._prompts[prompt_index]
+        prompt.reached_engine = True
+        prompt.prompt_tokens, prompt.cached_tokens = delta.prompt_tokens, delta.cached_tokens
+        base = prompt_index * self.prepared.params.n
+        for choice in delta.choices:
+            state = self.choices[base + choice.index]
+            state.text.append(choice.text)
+            state.num_tokens += len(choice.token_ids)
+            state.finish_reason = choice.finish_reason or state.finish_reason
+            state.logprobs.extend(choice.logprobs or ())
+        if self._first_token is None and any(c.token_ids for c in delta.choices):
+            self._first_token = time.monotonic()
+            self._first_token_at = dt.datetime.now(dt.UTC)
+            if not delta.finished:
+                self.services.spawn(
+                    self.services.requests.mark_running(self.id, self._started_at, self._first_token_at)
+                )
+
+    async def finish(self, status: str, error: str | None) -> None:
+        """Exactly once: the final row, the day's usage, the quota reconciliation and the metrics."""
+        if self._persisting is None:
+            self._persisting = self.services.spawn(self._persist(status, error))
+        await asyncio.shield(self._persisting)
+
+    async def wait_finished(self) -> None:
+        """Wait until the final row is written (after `finish`, which may itself have been interrupted)."""
+        if self._persisting is not None:
+            await asyncio.shield(self._persisting)
+
+    async def _persist(self, status: str, error: str | None) -> None:
+        prompt_tokens, completion_tokens, cached_tokens = self.usage
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        result = FinishedRequest(
+            status=status,
+            output=[
+                {"index": c.index, "text": c.full_text, "finish_reason": c.finish_reason} for c in ordered
+            ],
+            finish_reason=ordered[0].finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+            error=error,
+            started_at=self._started_at,
+            first_token_at=self._first_token_at,
+            finished_at=dt.datetime.now(dt.UTC),
+        )
+        try:
+            await self.services.requests.finish(
+                self.id, self.principal.tenant_id, self.prepared.model, result
+            )
+        finally:
+            await self.services.quotas.reconcile(self.reservation, prompt_tokens + completion_tokens)
+            self._observe(status, prompt_tokens, completion_tokens, cached_tokens)
+
+    def _observe(self, status: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        m, tenant, endpoint = self.services.metrics, self.principal.tenant_id, self.prepared.endpoint
+        now = time.monotonic()
+        m.requests.labels(tenant, endpoint, status).inc()
+        m.tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        m.tokens.labels(tenant, "completion").inc(completion_tokens)
+        m.tokens.labels(tenant, "cached").inc(cached_tokens)
+        m.e2e_latency.labels(endpoint).observe(now - self._start)
+        if self._first_token is not None:
+            m.ttft.labels(endpoint).observe(self._first_token - self._start)
+            if completion_tokens > len(self.choices):
+                m.tpot.labels(endpoint).observe(
+                    (now - self._first_token) / (completion_tokens - len(self.choices))
+                )
+
+
+async def _merge(streams: list[AsyncIterator[GenerationDelta]]) -> AsyncIterator[tuple[int, GenerationDelta]]:
+    """Interleave several prompts' streams as their deltas arrive; leaving early closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for delta in stream:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[GenerationDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,150 @@
+"""OpenAI response bodies and SSE chunks from a job's state — the one place these shapes are built."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import msgspec
+
+from pagewise.platform.engine_client import ChoiceDelta, PositionLogprobs, TokenLogprob
+from pagewise.platform.inference.job import ChoiceState, InferenceJob
+from pagewise.platform.inference.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def usage(job: InferenceJob) -> Usage:
+    prompt, completion, cached = job.usage
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+def _top(entry: TokenLogprob) -> TopLogprob:
+    return TopLogprob(entry.token, entry.logprob, list(entry.token.encode()))
+
+
+def chat_logprobs(positions: list[PositionLogprobs]) -> ChatLogprobs:
+    return ChatLogprobs(
+        [
+            ChatTokenLogprob(
+                p.chosen.token, p.chosen.logprob, list(p.chosen.token.encode()), [_top(t) for t in p.top]
+            )
+            for p in positions
+        ]
+    )
+
+
+def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> CompletionLogprobs:
+    tokens = [p.chosen.token for p in positions]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[p.chosen.logprob for p in positions],
+        top_logprobs=[{t.token: t.logprob for t in p.top} for p in positions],
+        text_offset=offsets,
+    )
+
+
+def chat_completion(job: InferenceJob, choices: list[ChoiceState]) -> ChatCompletion:
+    wants_logprobs = job.prepared.params.logprobs is not None
+    return ChatCompletion(
+        id=job.id,
+        created=job.created,
+        model=job.prepared.model,
+        usage=usage(job),
+        choices=[
+            ChatChoice(
+                c.index,
+                AssistantMessage("assistant", c.full_text),
+                chat_logprobs(c.logprobs) if wants_logprobs else None,
+                c.finish_reason,
+            )
+            for c in choices
+        ],
+    )
+
+
+def completion(job: InferenceJob, choices: list[ChoiceState]) -> Completion:
+    wants_logprobs = job.prepared.params.logprobs is not None
+    return Completion(
+        id=job.id,
+        created=job.created,
+        model=job.prepared.model,
+        usage=usage(job),
+        choices=[
+            CompletionChoice(
+                c.index,
+                c.full_text,
+                completion_logprobs(c.logprobs, 0) if wants_logprobs else None,
+                c.finish_reason,
+            )
+            for c in choices
+        ],
+    )
+
+
+def _event(payload: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _is_news(delta: ChoiceDelta) -> bool:
+    return bool(delta.text or delta.finish_reason or delta.logprobs)
+
+
+async def chat_events(job: InferenceJob) -> AsyncIterator[bytes]:
+    """SSE for a streamed chat completion: a role chunk per choice, content deltas, usage if asked, [DONE]."""
+    wants_logprobs = job.prepared.params.logprobs is not None
+
+    def chunk(choices: list[ChatChunkChoice], final_usage: Usage | None = None) -> bytes:
+        return _event(ChatCompletionChunk(job.id, job.created, job.prepared.model, choices, final_usage))
+
+    for index in sorted(job.choices):
+        yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None)])
+    async with aclosing(job.run()) as deltas:
+        async for d in deltas:
+            if _is_news(d):
+                logprobs = chat_logprobs(d.logprobs or []) if wants_logprobs else None
+                content = ChatDelta(content=d.text) if d.text else ChatDelta()
+                yield chunk([ChatChunkChoice(d.index, content, logprobs, d.finish_reason)])
+    if job.prepared.include_usage:
+        yield chunk([], usage(job))
+    yield _DONE
+
+
+async def completion_events(job: InferenceJob) -> AsyncIterator[bytes]:
+    """SSE for a streamed completion: text deltas, usage if asked, [DONE]."""
+    wants_logprobs = job.prepared.params.logprobs is not None
+    offsets = dict.fromkeys(job.choices, 0)
+    async with aclosing(job.run()) as deltas:
+        async for d in deltas:
+            if _is_news(d):
+                logprobs = completion_logprobs(d.logprobs or [], offsets[d.index]) if wants_logprobs else None
+                offsets[d.index] += len(d.text)
+                body = Completion(
+                    job.id,
+                    job.created,
+                    job.prepared.model,
+                    [CompletionChoice(d.index, d.text, logprobs, d.finish_reason)],
+                )
+                yield _event(body)
+    if job.prepared.include_usage:
+        yield _event(Completion(job.id, job.created, job.prepared.model, [], usage(job)))
+    yield _DONE

@@ -1,0 +1,1 @@
+"""API keys: generation, hashing, verification, the auth middleware, scope guards and admin routes."""

@@ -1,0 +1,38 @@
+"""`/admin/tenants/{tenant_id}/keys` (admin scope): create (key returned once), list, revoke, rotate."""
+
+from __future__ import annotations
+
+from litestar import Controller, delete, get, post
+from litestar.di import Provide
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pagewise.platform.keys.auth import requires_scope
+from pagewise.platform.keys.schemas import KeyCreate, KeyCreated, KeyOut
+from pagewise.platform.keys.service import KeyService, key_out
+
+
+def provide_key_service(db_session: AsyncSession) -> KeyService:
+    return KeyService(db_session)
+
+
+class KeyController(Controller):
+    path = "/admin/tenants/{tenant_id:str}/keys"
+    guards = [requires_scope("admin")]
+    dependencies = {"keys": Provide(provide_key_service, sync_to_thread=False)}
+    tags = ["admin"]
+
+    @post("/")
+    async def create_key(self, tenant_id: str, data: KeyCreate, keys: KeyService) -> KeyCreated:
+        return await keys.create(tenant_id, data)
+
+    @get("/")
+    async def list_keys(self, tenant_id: str, keys: KeyService) -> list[KeyOut]:
+        return [key_out(k) for k in await keys.list(tenant_id)]
+
+    @delete("/{key_id:str}", status_code=200)
+    async def revoke_key(self, tenant_id: str, key_id: str, keys: KeyService) -> KeyOut:
+        return key_out(await keys.revoke(tenant_id, key_id))
+
+    @post("/{key_id:str}/rotate")
+    async def rotate_key(self, tenant_id: str, key_id: str, keys: KeyService) -> KeyCreated:
+        return await keys.rotate(tenant_id, key_id)

@@ -1,0 +1,108 @@
+"""The quota interface shared by the in-process and the Redis store.
+
+Semantics (both stores, same tests):
+- Windows are fixed: requests and tokens per UTC minute, the token budget per UTC calendar month.
+- `reserve` checks every limit and, only if all pass, takes one request, one concurrency slot and
+  `tokens` tokens in one atomic step. A rejection changes nothing.
+- `reconcile` releases the slot and replaces the reserved tokens by the real count, exactly once per
+  reservation: a second call for the same reservation is a no-op that returns False.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Literal, Protocol
+
+import msgspec
+
+Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget"]
+
+
+class QuotaLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's limits; `None` means unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    monthly_token_budget: int | None = None
+    max_concurrent_requests: int | None = None
+
+
+class Reservation(msgspec.Struct, frozen=True):
+    """What one admitted request holds; `minute` and `month` name the windows its tokens were counted in."""
+
+    id: str
+    tenant_id: str
+    tokens: int
+    minute: int
+    month: str
+
+
+class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of one tenant at one moment, with the seconds until the minute and the month roll over."""
+
+    concurrent: int
+    outstanding: int
+    requests_this_minute: int
+    tokens_this_minute: int
+    tokens_this_month: int
+    minute_resets_in: float
+    month_resets_in: float
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """The outcome of `reserve`: a reservation, or what rejected it. `usage` is after the decision."""
+
+    reservation: Reservation | None
+    rejected_by: Rejection | None
+    usage: QuotaUsage
+    limits: QuotaLimits
+
+
+class QuotaStore(Protocol):
+    async def reserve(
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
+    ) -> Decision: ...
+
+    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool: ...
+
+    async def usage(self, tenant_id: str) -> QuotaUsage: ...
+
+    async def close(self) -> None: ...
+
+
+class QuotaWindows(msgspec.Struct, frozen=True):
+    """The minute and month windows that contain one instant."""
+
+    minute: int
+    month: str
+    minute_resets_in: float
+    month_resets_in: float
+
+    @classmethod
+    def at(cls, now: float) -> QuotaWindows:
+        moment = dt.datetime.fromtimestamp(now, dt.UTC)
+        next_month = (moment.replace(day=28) + dt.timedelta(days=4)).replace(
+            day=1, hour=0, minute=0, second=0, microsecond=0
+        )
+        return cls(
+            minute=math.floor(now / 60),
+            month=moment.strftime("%Y%m"),
+            minute_resets_in=60 - now % 60,
+            month_resets_in=next_month.timestamp() - now,
+        )
+
+
+def first_rejection(
+    limits: QuotaLimits, tokens: int, concurrent: int, requests: int, minute_tokens: int, month_tokens: int
+) -> Rejection | None:
+    """Which limit admitting `tokens` more would break, checked in a fixed order; `None` if none."""
+    if limits.max_concurrent_requests is not None and concurrent + 1 > limits.max_concurrent_requests:
+        return "concurrency"
+    if limits.requests_per_minute is not None and requests + 1 > limits.requests_per_minute:
+        return "requests"
+    if limits.tokens_per_minute is not None and minute_tokens + tokens > limits.tokens_per_minute:
+        return "tokens"
+    if limits.monthly_token_budget is not None and month_tokens + tokens > limits.monthly_token_budget:
+        return "monthly_budget"
+    return None

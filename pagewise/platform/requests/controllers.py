@@ -1,0 +1,115 @@
+"""`/v1/requests` (inference scope): submit a completion to run in the background, poll, cancel, list.
+
+Every query is scoped to the caller's tenant: another tenant's id answers 404, exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, TypeVar
+
+import msgspec
+from litestar import Controller, Request, delete, get, post
+from litestar.params import Parameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.errors import invalid_request, not_found
+from pagewise.platform.inference.job import InferenceJob
+from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
+from pagewise.platform.inference.schemas import AsyncRequestEndpoint, ChatCompletionRequest, CompletionRequest
+from pagewise.platform.keys.auth import Principal, requires_scope
+from pagewise.platform.requests.schemas import RequestList, RequestOut, request_out, request_page
+from pagewise.platform.requests.store import tenant_requests
+from pagewise.platform.services import PlatformServices
+
+logger = logging.getLogger(__name__)
+PageLimit = Annotated[int, Parameter(ge=1, le=100)]
+BodyT = TypeVar("BodyT")
+
+
+def _decode(raw: bytes, kind: type[BodyT]) -> BodyT:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as error:
+        raise invalid_request(str(error)) from None
+    except msgspec.DecodeError as error:
+        raise invalid_request(f"Malformed JSON body: {error}") from None
+
+
+async def _run_in_background(job: InferenceJob) -> None:
+    """Run an async request; when this task ends (even cancelled) the request's final row is written."""
+    try:
+        await job.collect()
+    except Exception:
+        logger.exception("async request %s failed", job.id)
+    finally:
+        await job.wait_finished()
+
+
+async def _get_row(session: AsyncSession, tenant_id: str, request_id: str) -> RequestRecord:
+    row = await session.scalar(tenant_requests(tenant_id).where(RequestRecord.id == request_id))
+    if row is None:
+        raise not_found("request", request_id)
+    return row
+
+
+class RequestController(Controller):
+    path = "/v1/requests"
+    guards = [requires_scope("inference")]
+    tags = ["requests"]
+
+    @post("/", status_code=202)
+    async def submit(
+        self, request: Request[Principal, str, object], services: PlatformServices
+    ) -> RequestOut:
+        """Same body as chat or completions plus `endpoint`; returns the queued request at once."""
+        raw = await request.body()
+        endpoint = _decode(raw, AsyncRequestEndpoint).endpoint
+        if endpoint == "/v1/chat/completions":
+            prepared = prepare_chat(_decode(raw, ChatCompletionRequest), request.user, services.engine)
+        else:
+            prepared = prepare_completion(_decode(raw, CompletionRequest), request.user, services.engine)
+        if prepared.stream:
+            raise invalid_request("stream is not supported for asynchronous requests", param="stream")
+        job = await InferenceJob.admit(services, request.user, prepared)
+        task = services.spawn(_run_in_background(job))
+        services.running[job.id] = task
+        task.add_done_callback(lambda _: services.running.pop(job.id, None))
+        async with services.sessionmaker() as session:
+            return request_out(await _get_row(session, request.user.tenant_id, job.id))
+
+    @get("/")
+    async def list_requests(
+        self,
+        request: Request[Principal, str, object],
+        db_session: AsyncSession,
+        after: str | None = None,
+        limit: PageLimit = 20,
+    ) -> RequestList:
+        query = tenant_requests(request.user.tenant_id).order_by(RequestRecord.id.desc()).limit(limit + 1)
+        if after is not None:
+            query = query.where(RequestRecord.id < after)
+        return request_page(list((await db_session.scalars(query)).all()), limit)
+
+    @get("/{request_id:str}")
+    async def get_request(
+        self, request_id: str, request: Request[Principal, str, object], db_session: AsyncSession
+    ) -> RequestOut:
+        return request_out(await _get_row(db_session, request.user.tenant_id, request_id))
+
+    @delete("/{request_id:str}", status_code=200)
+    async def cancel_request(
+        self, request_id: str, request: Request[Principal, str, object], services: PlatformServices
+    ) -> RequestOut:
+        """Cancel a queued or running request, billing the tokens generated so far; finished ones stay."""
+        tenant_id = request.user.tenant_id
+        async with services.sessionmaker() as session:
+            await _get_row(session, tenant_id, request_id)  # 404 before touching anything
+        task = services.running.get(request_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        async with services.sessionmaker() as session:
+            return request_out(await _get_row(session, tenant_id, request_id))

@@ -1,0 +1,77 @@
+"""Bodies of the asynchronous requests API and of admin request listings."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+import msgspec
+
+from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.inference.schemas import PromptTokensDetails, Usage
+
+
+class RequestOut(msgspec.Struct, kw_only=True):
+    id: str
+    endpoint: str
+    model: str
+    status: str
+    input: dict[str, Any]
+    params: dict[str, Any]
+    output: list[Any] | None
+    finish_reason: str | None
+    usage: Usage
+    error: str | None
+    queued_at: dt.datetime
+    started_at: dt.datetime | None
+    first_token_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    tenant_id: str
+    object: Literal["request"] = "request"
+
+
+class RequestList(msgspec.Struct, kw_only=True):
+    """A page, newest first; pass `last_id` as `after` for the next page while `has_more`."""
+
+    data: list[RequestOut]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: Literal["list"] = "list"
+
+
+def request_out(row: RequestRecord) -> RequestOut:
+    usage = Usage(
+        row.prompt_tokens,
+        row.completion_tokens,
+        row.prompt_tokens + row.completion_tokens,
+        PromptTokensDetails(row.cached_tokens),
+    )
+    return RequestOut(
+        id=row.id,
+        endpoint=row.endpoint,
+        model=row.model,
+        status=row.status,
+        input=row.input,
+        params=row.params,
+        output=row.output,
+        finish_reason=row.finish_reason,
+        usage=usage,
+        error=row.error,
+        queued_at=row.queued_at,
+        started_at=row.started_at,
+        first_token_at=row.first_token_at,
+        finished_at=row.finished_at,
+        tenant_id=row.tenant_id,
+    )
+
+
+def request_page(rows: list[RequestRecord], limit: int) -> RequestList:
+    """`rows` holds up to `limit + 1` rows; the extra one only tells whether there is more."""
+    page = [request_out(r) for r in rows[:limit]]
+    return RequestList(
+        data=page,
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=len(rows) > limit,
+    )

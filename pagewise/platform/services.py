@@ -1,0 +1,51 @@
+"""The services a route may depend on, built once per app and handed out by dependency injection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar.datastructures import State
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from pagewise.platform.engine_client import EngineClient
+from pagewise.platform.quotas.quota_store import QuotaStore
+from pagewise.platform.requests.store import RequestStore
+from pagewise.platform.settings import Settings
+from pagewise.platform.telemetry import PlatformMetrics
+
+
+@dataclass(slots=True)
+class PlatformServices:
+    """Long-lived parts of one app. `running` maps an async request's id to the task generating it."""
+
+    settings: Settings
+    engine: EngineClient
+    quotas: QuotaStore
+    sessionmaker: async_sessionmaker[AsyncSession]
+    requests: RequestStore
+    metrics: PlatformMetrics
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `coroutine` in the background, holding a reference until it ends (shutdown awaits it)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Cancel async requests, then wait for every background task (finishing writes included)."""
+        for task in list(self.running.values()):
+            task.cancel()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def provide_services(state: State) -> PlatformServices:
+    return state.services

@@ -1,0 +1,130 @@
+"""Platform settings, read once from `PAGEWISE_*` environment variables and validated with readable errors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///pagewise.db"
+_SUPPORTED_DRIVERS = ("sqlite+aiosqlite", "postgresql+asyncpg")
+_POSITIVE_ENGINE_FLAGS = (
+    "max_model_len",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory_bytes",
+)
+
+
+class SettingsError(ValueError):
+    """A setting is missing or malformed; the message names the variable and what is wrong."""
+
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Engine flags (vLLM's names). `None` leaves the engine's own default in place."""
+
+    model: str = "smollm2-135m-instruct"
+    max_model_len: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    swap_space_bytes: int | None = None
+    preemption_mode: str | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    dtype: str | None = None
+    device: str | None = None
+    seed: int | None = None
+    cache_dir: str | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The flags that were set, as keyword arguments for `EngineConfig`."""
+        return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the service reads from its environment. Built by `Settings.from_env`."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str | None = None
+    redis_key_prefix: str = "pagewise:"
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    max_body_bytes: int = 1_000_000
+    auto_migrate: bool = True
+    otel_exporter_otlp_endpoint: str | None = None
+
+    @property
+    def is_embedded(self) -> bool:
+        """Embedded mode: no Redis, so the engine and the quota counters live in this process."""
+        return self.redis_url is None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read `PAGEWISE_*` variables; `overrides` (e.g. CLI flags) win over the environment."""
+        env = os.environ if environ is None else environ
+        engine_fields = {
+            f: _read(env, f"PAGEWISE_{f.upper()}", EngineSettings.__annotations__[f])
+            for f in EngineSettings.__struct_fields__
+        }
+        engine_fields = {k: v for k, v in engine_fields.items() if v is not None}
+        engine_fields.update({k: v for k, v in overrides.pop("engine", {}).items() if v is not None})
+        fields = {
+            f: _read(env, f"PAGEWISE_{f.upper()}", cls.__annotations__[f])
+            for f in cls.__struct_fields__
+            if f != "engine"
+        }
+        fields = {k: v for k, v in fields.items() if v is not None}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(engine=EngineSettings(**engine_fields), **fields)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raise `SettingsError` for values the service cannot start with."""
+        driver = self.database_url.split("://", 1)[0]
+        if driver not in _SUPPORTED_DRIVERS:
+            raise SettingsError(
+                f"PAGEWISE_DATABASE_URL uses driver {driver!r}; expected one of"
+                f" {', '.join(_SUPPORTED_DRIVERS)}"
+                " (e.g. sqlite+aiosqlite:///pagewise.db or postgresql+asyncpg://user@host/db)"
+            )
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError(
+                f"PAGEWISE_REDIS_URL must start with redis://, rediss:// or unix://; got {self.redis_url!r}"
+            )
+        if self.max_body_bytes <= 0:
+            raise SettingsError(f"PAGEWISE_MAX_BODY_BYTES must be positive; got {self.max_body_bytes}")
+        for name in _POSITIVE_ENGINE_FLAGS:
+            value = getattr(self.engine, name)
+            if value is not None and value <= 0:
+                raise SettingsError(f"PAGEWISE_{name.upper()} must be positive; got {value}")
+
+
+def _read(env: Mapping[str, str], name: str, annotation: str) -> Any:
+    """Parse one variable by its field's annotation; unset or empty gives `None`."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    raw = raw.strip()
+    if "bool" in annotation:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name} must be true or false; got {raw!r}")
+    if "int" in annotation:
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise SettingsError(f"{name} must be an integer; got {raw!r}") from None
+    if "float" in annotation:
+        try:
+            return float(raw)
+        except ValueError:
+            raise SettingsError(f"{name} must be a number; got {raw!r}") from None
+    return raw

@@ -1,0 +1,46 @@
+"""Unauthenticated operational routes: `/health` (liveness), `/ready` (model and database), `/metrics`."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
+from sqlalchemy import text
+
+from pagewise.platform.services import PlatformServices
+
+
+class Health(msgspec.Struct):
+    status: str
+
+
+class Readiness(msgspec.Struct):
+    status: str
+    model_loaded: bool
+    database: bool
+
+
+@get("/health", tags=["system"])
+async def health() -> Health:
+    return Health("ok")
+
+
+@get("/ready", tags=["system"])
+async def ready(services: PlatformServices) -> Response[Readiness]:
+    """200 once the model is loaded and the database answers; 503 otherwise."""
+    model_loaded = services.engine.is_ready()
+    try:
+        async with services.sessionmaker() as session:
+            await session.execute(text("SELECT 1"))
+        database = True
+    except Exception:  # noqa: BLE001 - any failure means "not ready"
+        database = False
+    ok = model_loaded and database
+    return Response(
+        Readiness("ready" if ok else "not_ready", model_loaded, database), status_code=200 if ok else 503
+    )
+
+
+@get("/metrics", tags=["system"], media_type=CONTENT_TYPE_LATEST)
+async def metrics(services: PlatformServices) -> Response[bytes]:
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

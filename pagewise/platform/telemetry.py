@@ -1,0 +1,85 @@
+"""Prometheus metrics: engine stats under `pagewise:` with vLLM's meanings, platform counters by tenant.
+
+Each app owns its registry (no global state), so several apps — e.g. in tests — never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagewise.platform.engine_client import EngineClient
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+# engine stats key -> (metric name, help); gauges then counters
+_ENGINE_GAUGES = {
+    "num_requests_running": "Requests in the engine's running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0-1).",
+    "kv_blocks_total": "KV-cache blocks in the pool.",
+    "kv_blocks_free": "KV-cache blocks free.",
+}
+_ENGINE_COUNTERS = {
+    "num_preemptions": "Preemptions since start.",
+    "prompt_tokens_total": "Prefill tokens processed.",
+    "generation_tokens_total": "Tokens generated.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+}
+
+
+class EngineStatsCollector(Collector):
+    """Reads `engine.stats()` at scrape time; the engine keeps no Prometheus state of its own."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        for key, help_text in _ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"pagewise:{key}", help_text, value=float(stats.get(key, 0)))
+        for key, help_text in _ENGINE_COUNTERS.items():
+            name = f"pagewise:{key.removesuffix('_total')}"
+            yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+
+
+class PlatformMetrics:
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pagewise_requests", "Finished API requests.", ["tenant", "endpoint", "status"], registry=r
+        )
+        self.tokens = Counter("pagewise_tokens", "Billed tokens.", ["tenant", "kind"], registry=r)
+        self.quota_rejections = Counter(
+            "pagewise_quota_rejections", "Requests rejected by a quota.", ["tenant", "reason"], registry=r
+        )
+        self.e2e_latency = Histogram(
+            "pagewise:e2e_request_latency_seconds",
+            "Admission to finish.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagewise:time_to_first_token_seconds",
+            "Admission to first token.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pagewise:time_per_output_token_seconds",
+            "Mean time between output tokens.",
+            ["endpoint"],
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(EngineStatsCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Usage: daily (and hourly) token and request counts per tenant and model."""

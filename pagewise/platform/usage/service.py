@@ -1,0 +1,146 @@
+"""Usage buckets for `/v1/usage` (one tenant) and `/admin/usage` (any grouping).
+
+Daily buckets read `usage_daily` (kept in step with finished requests); hourly buckets aggregate finished
+request rows. Every bucket in the range is returned, empty ones included, as OpenAI's Usage API does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from typing import Literal
+
+import msgspec
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pagewise.platform.db.models import RequestRecord, UsageDaily, as_utc
+from pagewise.platform.errors import invalid_request
+
+BucketWidth = Literal["1d", "1h"]
+GroupField = Literal["tenant_id", "model"]
+_WIDTH = {"1d": dt.timedelta(days=1), "1h": dt.timedelta(hours=1)}
+_FINISHED = ("completed", "cancelled", "failed")
+
+
+class UsageResult(msgspec.Struct, kw_only=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_cached_tokens: int = 0
+    num_model_requests: int = 0
+    model: str | None = None
+    tenant_id: str | None = None
+    object: Literal["organization.usage.completions.result"] = "organization.usage.completions.result"
+
+
+class UsageBucket(msgspec.Struct, kw_only=True):
+    start_time: int
+    end_time: int
+    results: list[UsageResult]
+    object: Literal["bucket"] = "bucket"
+
+
+class UsagePage(msgspec.Struct, kw_only=True):
+    data: list[UsageBucket]
+    has_more: bool = False
+    next_page: str | None = None
+    object: Literal["page"] = "page"
+
+
+class _Row(msgspec.Struct):
+    start: dt.datetime
+    tenant_id: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+async def usage_page(
+    session: AsyncSession,
+    *,
+    start_time: int,
+    end_time: int | None,
+    width: BucketWidth,
+    group_by: list[GroupField],
+    tenant_id: str | None,
+) -> UsagePage:
+    step = _WIDTH[width]
+    start = _floor(dt.datetime.fromtimestamp(start_time, dt.UTC), width)
+    end = dt.datetime.fromtimestamp(end_time, dt.UTC) if end_time is not None else dt.datetime.now(dt.UTC)
+    if end <= start:
+        raise invalid_request("end_time must be after start_time", param="end_time")
+    if (end - start) / step > 31 * 24:
+        raise invalid_request("the range holds too many buckets; narrow it or use a wider bucket_width")
+    rows = await (_daily_rows if width == "1d" else _hourly_rows)(session, start, end, tenant_id)
+    grouped: dict[dt.datetime, dict[tuple, UsageResult]] = defaultdict(dict)
+    for row in rows:
+        key = tuple(getattr(row, g) for g in group_by)
+        result = grouped[row.start].setdefault(key, UsageResult(**dict(zip(group_by, key, strict=True))))
+        result.num_model_requests += row.requests
+        result.input_tokens += row.prompt_tokens
+        result.output_tokens += row.completion_tokens
+        result.input_cached_tokens += row.cached_tokens
+    buckets, cursor = [], start
+    while cursor < end:
+        results = list(grouped.get(cursor, {}).values())
+        buckets.append(
+            UsageBucket(
+                start_time=int(cursor.timestamp()), end_time=int((cursor + step).timestamp()), results=results
+            )
+        )
+        cursor += step
+    return UsagePage(data=buckets)
+
+
+def _floor(moment: dt.datetime, width: BucketWidth) -> dt.datetime:
+    moment = moment.replace(minute=0, second=0, microsecond=0)
+    return moment.replace(hour=0) if width == "1d" else moment
+
+
+async def _daily_rows(
+    session: AsyncSession, start: dt.datetime, end: dt.datetime, tenant_id: str | None
+) -> list[_Row]:
+    query = select(UsageDaily).where(
+        UsageDaily.day >= start.date(), UsageDaily.day < (end + _WIDTH["1d"]).date()
+    )
+    if tenant_id is not None:
+        query = query.where(UsageDaily.tenant_id == tenant_id)
+    return [
+        _Row(
+            dt.datetime.combine(u.day, dt.time(), dt.UTC),
+            u.tenant_id,
+            u.model,
+            u.requests,
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.cached_tokens,
+        )
+        for u in (await session.scalars(query)).all()
+        if dt.datetime.combine(u.day, dt.time(), dt.UTC) < end
+    ]
+
+
+async def _hourly_rows(
+    session: AsyncSession, start: dt.datetime, end: dt.datetime, tenant_id: str | None
+) -> list[_Row]:
+    columns = (
+        RequestRecord.finished_at,
+        RequestRecord.tenant_id,
+        RequestRecord.model,
+        RequestRecord.prompt_tokens,
+        RequestRecord.completion_tokens,
+        RequestRecord.cached_tokens,
+    )
+    query = select(*columns).where(
+        RequestRecord.status.in_(_FINISHED),
+        RequestRecord.finished_at >= start,
+        RequestRecord.finished_at < end,
+    )
+    if tenant_id is not None:
+        query = query.where(RequestRecord.tenant_id == tenant_id)
+    return [
+        _Row(_floor(as_utc(finished), "1h"), tenant, model, 1, prompt, completion, cached)
+        for finished, tenant, model, prompt, completion, cached in (await session.execute(query)).all()
+    ]

@@ -1,0 +1,53 @@
+"""A running app under test and the calls most tests make: create a tenant and a key as the admin."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from litestar import Litestar
+
+from pagewise.platform.services import PlatformServices
+
+MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(slots=True)
+class Platform:
+    app: Litestar
+    http: httpx.AsyncClient
+    services: PlatformServices
+    admin_key: str
+
+    async def create_tenant(self, **quotas: Any) -> dict[str, Any]:
+        body = {"name": f"tenant-{secrets.token_hex(4)}", **quotas}
+        response = await self.http.post("/admin/tenants", json=body, headers=bearer(self.admin_key))
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def create_key(self, tenant_id: str, scopes: tuple[str, ...] = ("inference",)) -> str:
+        response = await self.http.post(
+            f"/admin/tenants/{tenant_id}/keys", json={"scopes": list(scopes)}, headers=bearer(self.admin_key)
+        )
+        assert response.status_code == 201, response.text
+        return response.json()["key"]
+
+    async def tenant_with_key(self, **quotas: Any) -> tuple[dict[str, Any], str]:
+        tenant = await self.create_tenant(**quotas)
+        return tenant, await self.create_key(tenant["id"])
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat_body(content: str = "Say hi", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **extra,
+    }

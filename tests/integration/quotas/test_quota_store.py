@@ -1,0 +1,61 @@
+"""The same quota semantics on the in-process store and on the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagewise.platform.quotas.quota_store import QuotaLimits, QuotaStore
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_32_concurrent_reservations_against_10_slots_admit_exactly_10(quota_store: QuotaStore) -> None:
+    limits = QuotaLimits(max_concurrent_requests=10)
+    decisions = await asyncio.gather(*(quota_store.reserve("t", limits, 5, f"r{i}") for i in range(32)))
+    admitted = [d.reservation for d in decisions if d.reservation is not None]
+    assert len(admitted) == 10
+    assert {d.rejected_by for d in decisions if d.reservation is None} == {"concurrency"}
+    assert (await quota_store.usage("t")).concurrent == 10
+    assert all(await asyncio.gather(*(quota_store.reconcile(r, 3) for r in admitted)))
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.outstanding) == (0, 0)
+    assert (usage.tokens_this_minute, usage.requests_this_minute) == (30, 10)
+
+
+async def test_reconcile_happens_exactly_once(quota_store: QuotaStore) -> None:
+    decision = await quota_store.reserve("t", QuotaLimits(tokens_per_minute=100), 40, "r1")
+    assert decision.reservation is not None and decision.usage.tokens_this_minute == 40
+    assert await quota_store.reconcile(decision.reservation, 10) is True
+    assert await quota_store.reconcile(decision.reservation, 10) is False
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.tokens_this_minute, usage.tokens_this_month) == (0, 10, 10)
+
+
+async def test_rejection_changes_nothing(quota_store: QuotaStore) -> None:
+    limits = QuotaLimits(requests_per_minute=5, tokens_per_minute=100)
+    assert (await quota_store.reserve("t", limits, 60, "r1")).reservation is not None
+    rejected = await quota_store.reserve("t", limits, 60, "r2")
+    assert rejected.reservation is None and rejected.rejected_by == "tokens"
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.requests_this_minute, usage.tokens_this_minute) == (1, 1, 60)
+
+
+async def test_requests_per_minute_and_monthly_budget(quota_store: QuotaStore) -> None:
+    per_minute = QuotaLimits(requests_per_minute=2)
+    results = [await quota_store.reserve("a", per_minute, 1, f"a{i}") for i in range(3)]
+    assert [r.rejected_by for r in results] == [None, None, "requests"]
+    budget = QuotaLimits(monthly_token_budget=50)
+    first = await quota_store.reserve("b", budget, 30, "b1")
+    assert first.reservation is not None
+    assert (await quota_store.reserve("b", budget, 30, "b2")).rejected_by == "monthly_budget"
+    await quota_store.reconcile(first.reservation, 5)  # refund: 5 of 50 used
+    assert (await quota_store.reserve("b", budget, 30, "b3")).rejected_by is None
+
+
+async def test_tenants_do_not_share_counters(quota_store: QuotaStore) -> None:
+    limits = QuotaLimits(max_concurrent_requests=1)
+    assert (await quota_store.reserve("a", limits, 1, "a1")).reservation is not None
+    assert (await quota_store.reserve("b", limits, 1, "b1")).reservation is not None
+    assert (await quota_store.reserve("a", limits, 1, "a2")).rejected_by == "concurrency"

@@ -1,0 +1,71 @@
+"""Health, readiness, OpenAPI, metrics and the admin views a dashboard reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import MODEL, Platform, bearer
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_health_ready_and_schema_need_no_key(platform: Platform) -> None:
+    assert (await platform.http.get("/health")).json() == {"status": "ok"}
+    ready = await platform.http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["model_loaded"] and ready.json()["database"]
+    schema = (await platform.http.get("/schema/openapi.json")).json()
+    assert "/v1/chat/completions" in schema["paths"] and "/admin/tenants" in schema["paths"]
+
+
+async def test_metrics_and_admin_views(platform: Platform) -> None:
+    tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
+    await platform.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, headers=bearer(key)
+    )
+    text = (await platform.http.get("/metrics")).text
+    for name in (
+        "pagewise:num_requests_running",
+        "pagewise:kv_cache_usage_perc",
+        "pagewise:prefix_cache_hits_total",
+        "pagewise:prompt_tokens_total",
+        "pagewise:time_to_first_token_seconds_bucket",
+        "pagewise:e2e_request_latency_seconds_bucket",
+    ):
+        assert name in text, name
+    assert (
+        f'pagewise_requests_total{{endpoint="completions",status="completed",tenant="{tenant["id"]}"}} 1.0'
+        in text
+    )
+
+    admin = bearer(platform.admin_key)
+    usage = (
+        await platform.http.get(
+            "/admin/usage",
+            params={"group_by": ["tenant_id", "model"], "tenant_id": tenant["id"]},
+            headers=admin,
+        )
+    ).json()
+    [result] = [r for b in usage["data"] for r in b["results"]]
+    assert (
+        result["tenant_id"] == tenant["id"] and result["model"] == MODEL and result["num_model_requests"] == 1
+    )
+    hourly = (
+        await platform.http.get(
+            "/admin/usage", params={"bucket_width": "1h", "tenant_id": tenant["id"]}, headers=admin
+        )
+    ).json()
+    assert sum(r["num_model_requests"] for b in hourly["data"] for r in b["results"]) == 1
+    listed = (
+        await platform.http.get(
+            "/admin/requests", params={"tenant_id": tenant["id"], "status": "completed"}, headers=admin
+        )
+    ).json()
+    assert len(listed["data"]) == 1
+    engine = (await platform.http.get("/admin/engine", headers=admin)).json()
+    assert engine["model"] == MODEL and "kv_cache_usage_perc" in engine["stats"]
+    overview = (await platform.http.get("/admin/overview", headers=admin)).json()
+    assert overview["requests_by_status"]["completed"] >= 1
+    assert (
+        any(t["tenant_id"] == tenant["id"] for t in overview["top_tenants"])
+        or len(overview["top_tenants"]) == 5
+    )
