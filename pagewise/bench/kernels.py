@@ -90,7 +90,7 @@ def _paged_inputs(
         tables[s, :n] = perm[start : start + n]
         tables[s, n:] = perm[-1]  # padding: a spare block
         start += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, dtype=dtype, device=device, generator=gen)
     value_cache = torch.randn(shape, dtype=dtype, device=device, generator=gen)
     qsl = [0]
@@ -152,7 +152,7 @@ def check_correctness(device: torch.device, cases: tuple = CORRECTNESS_CASES) ->
     gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         num_blocks, block, kv_heads, dim, tokens = 64, 16, 8, 128, 300
-        cache_shape = (num_blocks, block, kv_heads, dim)
+        cache_shape = (num_blocks, kv_heads, block, dim)
         slots = torch.randperm(num_blocks * block, device=device, generator=gen)[:tokens]
         slots[::7] = -1
         qkv = torch.randn(tokens, 3, kv_heads, dim, dtype=dtype, device=device, generator=gen)
@@ -219,8 +219,8 @@ def bench_decode(device: torch.device, batch: int, context: int, copy_gbps: floa
     table = inputs["block_tables"].long()
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
-        flat = cache[table].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
-        return flat.transpose(1, 2).contiguous()
+        blocks = cache[table]  # [batch, max_blocks, kv_heads, block_size, dim]
+        return blocks.transpose(1, 2).reshape(batch, NUM_KV_HEADS, -1, HEAD_DIM)[:, :, :context].contiguous()
 
     k, v = contiguous(inputs["key_cache"]), contiguous(inputs["value_cache"])
     q = inputs["query"].view(batch, NUM_HEADS, 1, HEAD_DIM)
@@ -275,7 +275,7 @@ def bench_cache_ops(device: torch.device) -> dict[str, Any]:
     from pagewise.kernels import triton_ops
 
     tokens, num_blocks = 8192, 4096
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     value = torch.randn_like(key)
     k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)

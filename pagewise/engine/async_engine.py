@@ -121,9 +121,10 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                for output in engine.step():
-                    self._deliver(output.request_id, output)
+                outputs = engine.step()
                 self._stats = engine.stats()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
         except BaseException as error:  # noqa: BLE001 - every waiting stream must hear about a crash
             self._error = error
             with self._lock:
@@ -136,7 +137,9 @@ class AsyncLLMEngine:
         while self._inbox:
             message = self._inbox.popleft()
             if message[0] == "abort":
-                self.engine.abort_request(message[1])
+                final = self.engine.abort_request(message[1])
+                if final is not None:
+                    self._deliver(message[1], final)
                 continue
             _, request_id, token_ids, text, params, tenant_id = message
             with self._lock:
@@ -153,5 +156,9 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            self._post(("abort", request_id))

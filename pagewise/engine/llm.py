@@ -91,6 +91,8 @@ class LLM:
 def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidRequestError(f"prompts must be a str, a list of token ids or a list of those, got {prompts!r}")
     prompts = list(prompts)
     if not prompts:
         raise InvalidRequestError("no prompts given")

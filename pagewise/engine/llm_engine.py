@@ -74,7 +74,9 @@ class LLMEngine:
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, config.torch_dtype
         )
         budget = config.resolve_kv_cache_bytes()
-        self.num_blocks = budget // per_block
+        # More blocks than every sequence at full length could use would only cost memory and start-up time.
+        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        self.num_blocks = min(budget // per_block, useful)
         if self.num_blocks < 1:
             raise InvalidConfigError(
                 f"kv_cache_memory_bytes={budget:,} is too small: one block of {config.block_size} tokens in all "
@@ -123,13 +125,15 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, Sequence):
             token_ids = list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
             if bad:
                 raise InvalidRequestError(
                     f"prompt token ids must be integers in [0, {self.arch.vocab_size}); got {bad[0]!r}"
                 )
+        else:
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -191,16 +195,18 @@ class LLMEngine:
         self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]])
         self.prompt_tokens_total += len(token_ids)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request (all its samples) and free its blocks now. Unknown ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
+        samples end with ``finish_reason="abort"``); unknown ids are ignored and return None."""
         group = self._groups.pop(request_id, None)
         if group is None:
-            return
+            return None
         for sample in group.samples:
             if not sample.request.finished:
                 self.scheduler.finish(sample.request)
                 sample.request.finish_reason = "abort"
             self._owner.pop(sample.request, None)
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -233,13 +239,13 @@ class LLMEngine:
         sample.text += sample.detokenizer.push(result.token_id)
         group.changed = True
         if not params.ignore_eos and result.token_id in self.eos_token_ids:
-            self._finish(request, "stop")
+            self._finish(sample, "stop")
         elif params.stop_token_ids and result.token_id in params.stop_token_ids:
-            self._finish(request, "stop", result.token_id)
+            self._finish(sample, "stop", result.token_id)
         elif params.stop_strings and self._cut_at_stop(sample, previous_len):
             return
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, "length")
+            self._finish(sample, "length")
 
     def _cut_at_stop(self, sample: _Sample, previous_len: int) -> bool:
         strings = sample.request.params.stop_strings
@@ -250,10 +256,14 @@ class LLMEngine:
             return False
         pos, stop = min(found)
         sample.text = sample.text[:pos]
-        self._finish(sample.request, "stop", stop)
+        self._finish(sample, "stop", stop, flush=False)
         return True
 
-    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+    def _finish(self, sample: _Sample, reason: str, stop_reason: str | int | None = None, flush: bool = True) -> None:
+        """End a sample and free its blocks in this step; ``flush`` releases any text the detokenizer held."""
+        if flush:
+            sample.text += sample.detokenizer.flush()
+        request = sample.request
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.scheduler.finish(request)

@@ -13,7 +13,7 @@ from pagewise.engine.scheduler import SchedulerOutput
 
 
 class KVCache:
-    """Per-layer key/value caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the device, plus an
+    """Per-layer key/value caches ``[num_blocks, num_kv_heads, block_size, head_dim]`` on the device, plus an
     optional host swap space of the same layout."""
 
     def __init__(
@@ -27,7 +27,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

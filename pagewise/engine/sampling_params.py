@@ -50,7 +50,7 @@ class SamplingParams:
             fail(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also rejects NaN
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p}")

@@ -1,7 +1,8 @@
 """Torch reference implementations of the paged KV-cache ops (CPU path and test oracle).
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and for values.
-The slot of a token is ``block_id * block_size + offset``.
+Cache layout, per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` for keys and for values
+(head-major inside a block, so one head's slice of a block is contiguous). The slot of a token is
+``block_id * block_size + offset``.
 """
 
 from __future__ import annotations
@@ -21,29 +22,30 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    block_size = key_cache.shape[2]
     slots = slot_mapping.long()
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first ``context_len`` tokens of one sequence, contiguous: ``[context_len, num_kv_heads, head_dim]``."""
-    block_size = cache.shape[1]
+    """One sequence's first ``context_len`` tokens, head-major: ``[num_kv_heads, context_len, head_dim]``."""
+    num_kv_heads, block_size, head_dim = cache.shape[1:]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [n, kvh, bs, d]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, num_blocks * block_size, head_dim)[:, :context_len]
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` queries placed at the end of a ``k``-token context.
 
-    query ``[q, num_heads, d]``; key/value ``[k, num_kv_heads, d]``; the i-th query sees keys ``0..k-q+i``.
+    query ``[q, num_heads, d]``; key/value ``[num_kv_heads, k, d]``; the i-th query sees keys ``0..k-q+i``.
     Computed in fp32; the result has the query's dtype.
     """
-    q_len, k_len = query.shape[0], key.shape[0]
+    q_len, k_len = query.shape[0], key.shape[1]
     q = query.float().transpose(0, 1)[None]  # [1, h, q, d]
-    k = key.float().transpose(0, 1)[None]
-    v = value.float().transpose(0, 1)[None]
+    k, v = key.float()[None], value.float()[None]
     mask = None
     if q_len > 1 and q_len != k_len:
         q_pos = torch.arange(k_len - q_len, k_len, device=query.device)
@@ -54,6 +56,9 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     return out[0].transpose(0, 1).to(query.dtype)
 
 
+_DECODE_BUCKET = 16
+
+
 def _decode_batch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -62,24 +67,31 @@ def _decode_batch(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence, all sequences in one padded batched matmul."""
-    block_size = key_cache.shape[1]
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    keys = key_cache[table].flatten(1, 2)[:, :max_len]  # [b, max_len, kvh, d]
-    values = value_cache[table].flatten(1, 2)[:, :max_len]
+    """One query token per sequence. Sequences are sorted by length and batched in buckets (little padding);
+    within a bucket each KV head's context is gathered with ``index_select`` over contiguous per-head block
+    slices, so the gather is a run of memcpys and both matmuls run on contiguous operands."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    k = keys.float().permute(0, 2, 3, 1)  # [b, kvh, d, L]
-    scores = torch.matmul(q, k) * scale  # [b, kvh, group, L]
-    pad = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None].to(query.device)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.float().transpose(1, 2))  # [b, kvh, group, d]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    lens = seq_lens.tolist()
+    order = sorted(range(num_seqs), key=lens.__getitem__)
+    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
+    queries = (query.float() * scale).view(num_seqs, num_kv_heads, group, head_dim)
+    for begin in range(0, num_seqs, _DECODE_BUCKET):
+        rows = order[begin : begin + _DECODE_BUCKET]
+        width = -(-lens[rows[-1]] // block_size)
+        index = torch.tensor(rows, device=query.device)
+        blocks = block_tables.index_select(0, index.to(block_tables.device))[:, :width].flatten().long()
+        context = width * block_size
+        pad = torch.arange(context, device=query.device)[None, :] >= seq_lens.index_select(0, index)[:, None]
+        q = queries.index_select(0, index)
+        for head in range(num_kv_heads):
+            keys = key_cache[:, head].index_select(0, blocks).view(len(rows), context, head_dim).float()
+            values = value_cache[:, head].index_select(0, blocks).view(len(rows), context, head_dim).float()
+            scores = torch.bmm(q[:, head], keys.transpose(1, 2))
+            scores.masked_fill_(pad[:, None, :], float("-inf"))
+            out[index, head] = torch.bmm(torch.softmax(scores, dim=-1), values)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_attention(

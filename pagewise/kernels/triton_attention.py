@@ -2,7 +2,7 @@
 
 Layout and semantics are those of ``reference.paged_attention`` (DESIGN.md, "Kernels"):
 
-* ``query``/``out`` ``[num_tokens, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
+* ``query``/``out`` ``[num_tokens, num_heads, head_dim]``; caches ``[num_blocks, num_kv_heads, block_size,
   head_dim]``; ``block_tables [num_seqs, max_blocks]``; ``seq_lens [num_seqs]`` counts the whole context
   including the new tokens; ``query_start_loc [num_seqs + 1]`` delimits each sequence's new tokens.
 * The i-th of a sequence's ``q`` new tokens sits at position ``seq_len - q + i`` and attends to positions
@@ -376,9 +376,9 @@ def paged_attention(
     Launches no host synchronisation: all launch parameters derive from tensor shapes.
     """
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError("query must be [tokens, heads, dim] and caches [blocks, block_size, kv_heads, dim]")
+        raise ValueError("query must be [tokens, heads, dim] and caches [blocks, kv_heads, block_size, dim]")
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    _, num_kv_heads, block_size, cache_dim = key_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"bad shapes: query {tuple(query.shape)}, cache {tuple(key_cache.shape)}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -451,11 +451,11 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         key_cache.stride(0),
-        key_cache.stride(1),
         key_cache.stride(2),
+        key_cache.stride(1),
         value_cache.stride(0),
-        value_cache.stride(1),
         value_cache.stride(2),
+        value_cache.stride(1),
         block_tables.stride(0),
         part_m.stride(0) if use_splits else 0,
         part_m.stride(1) if use_splits else 0,

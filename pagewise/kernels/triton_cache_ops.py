@@ -2,7 +2,7 @@
 
 Same semantics as ``reference.reshape_and_cache`` and ``reference.copy_blocks``.
 
-Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = ``block * block_size +
+Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``; slot = ``block * block_size +
 offset``.
 """
 
@@ -88,7 +88,7 @@ def reshape_and_cache(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, num_kv_heads, block_size, head_dim = key_cache.shape
     if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape:
         raise ValueError(f"key/value {tuple(key.shape)} do not match cache {tuple(key_cache.shape)}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -115,11 +115,11 @@ def reshape_and_cache(
         value.stride(0),
         value.stride(1),
         key_cache.stride(0),
-        key_cache.stride(1),
         key_cache.stride(2),
+        key_cache.stride(1),
         value_cache.stride(0),
-        value_cache.stride(1),
         value_cache.stride(2),
+        value_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,

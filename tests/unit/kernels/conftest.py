@@ -113,7 +113,7 @@ class PagedBatch:
     scale: float
 
     def poisoned_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        unused = ~self.used[:, :, None, None]
+        unused = ~self.used[:, None, :, None]
         return (
             self.key_cache.masked_fill(unused, float("nan")),
             self.value_cache.masked_fill(unused, float("nan")),
@@ -146,7 +146,7 @@ def make_paged_batch(
     num_blocks = sum(needed) + 3
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen, dtype=torch.int32)
-    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    key_cache = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype)
     value_cache = torch.zeros_like(key_cache)
     used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     keys, values = [], []
@@ -159,8 +159,8 @@ def make_paged_batch(
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
         pos = torch.arange(n)
         b, o = blocks[pos // block_size], pos % block_size
-        key_cache[b, o] = k
-        value_cache[b, o] = v
+        key_cache[b, :, o] = k
+        value_cache[b, :, o] = v
         used[b, o] = True
         keys.append(k)
         values.append(v)

@@ -102,7 +102,7 @@ def test_paged_attention_random_shapes(seed: int, paged_batch) -> None:
 def test_reshape_and_cache_writes_slots_and_skips_padding() -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, heads, dim = 5, 8, 2, 16
-    key_cache = torch.full((num_blocks, block_size, heads, dim), float("nan"))
+    key_cache = torch.full((num_blocks, heads, block_size, dim), float("nan"))
     value_cache = key_cache.clone()
     slots = torch.tensor([3, -1, 17, 39, -1, 8])
     key = torch.randn(len(slots), heads, dim, generator=gen)
@@ -114,9 +114,10 @@ def test_reshape_and_cache_writes_slots_and_skips_padding() -> None:
             continue
         block, offset = divmod(slot, block_size)
         written[block, offset] = True
-        assert torch.equal(key_cache[block, offset], key[t])
-        assert torch.equal(value_cache[block, offset], value[t])
-    assert key_cache[~written].isnan().all() and value_cache[~written].isnan().all()
+        assert torch.equal(key_cache[block, :, offset], key[t])
+        assert torch.equal(value_cache[block, :, offset], value[t])
+    unwritten = ~written[:, None, :].expand(-1, heads, -1)
+    assert key_cache[unwritten].isnan().all() and value_cache[unwritten].isnan().all()
 
 
 def test_copy_and_swap_blocks() -> None:

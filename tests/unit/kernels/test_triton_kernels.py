@@ -162,7 +162,7 @@ def test_reshape_and_cache(num_kv_heads, head_dim, block_size, dtype, cache_dtyp
     # strided views, as slices of a fused QKV projection would be
     qkv = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=gen).to(dtype)
     key, value = qkv[:, 1], qkv[:, 2]
-    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=cache_dtype)
+    key_cache = torch.full((num_blocks, num_kv_heads, block_size, head_dim), float("nan"), dtype=cache_dtype)
     value_cache = torch.full_like(key_cache, float("nan"))
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
@@ -170,7 +170,7 @@ def test_reshape_and_cache(num_kv_heads, head_dim, block_size, dtype, cache_dtyp
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0, equal_nan=True)
-    written = (~key_cache.isnan()).all(-1).all(-1).flatten().nonzero().flatten()
+    written = (~key_cache.isnan()).all(-1).all(1).flatten().nonzero().flatten()
     assert sorted(written.tolist()) == sorted(s for s in slots.tolist() if s >= 0)
 
 

@@ -1,0 +1,301 @@
+"""Sampling on tiny random-weight models, checked against exact expectations: seeded reproducibility, the
+greedy-equivalent settings, penalties against a reference implementation over HF logits, stop conditions, and
+logprobs against ``log_softmax`` of HF transformers' logits."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from pagewise import LLM, SamplingParams
+from pagewise.engine.model_runner import KVCache
+
+BLOCK = 4
+NUM_BLOCKS = 256
+VOCAB = 49152
+MAX_TOKENS = 8
+FLAT = dict(initializer_range=0.01)  # logits span < 2 (the largest allowed penalty) at every step
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+P1, P2, P3 = _prompt(9, 1), _prompt(3, 2), _prompt(14, 3)
+
+
+def _per_block(model) -> int:
+    cfg = model.config
+    return KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
+                                   cfg.hidden_size // cfg.num_attention_heads, torch.float32)
+
+
+def _llm(path, model) -> LLM:
+    return LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=NUM_BLOCKS * _per_block(model), progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return tiny_model("sampling-llama")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny) -> LLM:
+    return _llm(*tiny)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_log_softmax(model, tokens: list[int], start: int) -> torch.Tensor:
+    """``log_softmax`` of HF's logits at positions ``start - 1 .. len(tokens) - 2`` (each predicts the next)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits[start - 1 : len(tokens) - 1], dim=-1)
+
+
+def hf_penalized_greedy(model, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """vLLM's (and OpenAI's) penalties: over the output tokens so far, ``logit -= frequency * count + presence *
+    (count > 0)``; then argmax."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+            logits = logits - frequency * counts - presence * (counts > 0).float()
+            out.append(int(logits.argmax()))
+    return out
+
+
+def run(llm: LLM, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in run(llm, prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def greedy_p1(tiny) -> list[int]:
+    return hf_greedy(tiny[1], P1, MAX_TOKENS)
+
+
+# ---- seeds
+
+
+def seeded(seed: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=kw.pop("temperature", 1.0), seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          **kw)
+
+
+def test_seeded_sampling_is_reproducible_across_calls_and_batches(llm) -> None:
+    (first,) = tokens(llm, [P1], seeded(1234))
+    assert len(first) == MAX_TOKENS
+    assert tokens(llm, [P1], seeded(1234)) == [first]
+    batch = tokens(llm, [P2, P1, P3, P1], [
+        SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),  # unseeded: uses the engine generator
+        seeded(1234),
+        seeded(99, temperature=0.7),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ])
+    assert batch[1] == first
+    # Again after the engine generator has advanced, alone, with a different prompt ahead of it in the batch.
+    assert tokens(llm, [P3, P1], [seeded(7), seeded(1234)])[1] == first
+
+
+def test_different_seeds_differ(llm) -> None:
+    outs = {tuple(tokens(llm, [P1], seeded(s))[0]) for s in (1, 2, 3)}
+    assert len(outs) == 3
+
+
+def test_n_samples_use_consecutive_seeds(llm) -> None:
+    (out,) = run(llm, [P1], SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == MAX_TOKENS for c in out.outputs)
+    singles = [tokens(llm, [P1], seeded(40 + i))[0] for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert len({tuple(s) for s in singles}) == 3
+
+
+def test_n_greedy_samples_are_all_greedy(llm, greedy_p1) -> None:
+    (out,) = run(llm, [P1], SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in out.outputs] == [greedy_p1] * 3
+
+
+# ---- settings equivalent to greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0),
+        dict(temperature=0, top_k=5, top_p=0.5, min_p=0.2, seed=3),
+        dict(temperature=1.5, top_k=1, seed=5),
+        dict(temperature=1.0, top_p=1e-6),
+        dict(temperature=2.0, min_p=1.0, seed=5),
+    ],
+    ids=repr,
+)
+def test_greedy_equivalent_settings(llm, greedy_p1, kwargs) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
+    assert tokens(llm, [P1], params)[0] == greedy_p1
+
+
+# ---- penalties
+
+
+@pytest.fixture(scope="module")
+def flat(tiny_model):
+    path, model = tiny_model("sampling-flat", **FLAT)
+    return _llm(path, model), model
+
+
+@pytest.mark.parametrize(
+    ("presence", "frequency"),
+    [(0.0, 2.0), (2.0, 0.0), (0.5, 1.0), (0.3, -0.7), (-1.0, 0.0)],
+)
+def test_penalties_match_reference(flat, presence, frequency) -> None:
+    llm, model = flat
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    assert tokens(llm, [P2], params)[0] == hf_penalized_greedy(model, P2, 10, presence, frequency)
+
+
+@pytest.mark.parametrize("kwargs", [dict(frequency_penalty=2.0), dict(presence_penalty=2.0)], ids=repr)
+def test_max_penalty_prevents_repeats(flat, kwargs) -> None:
+    llm, model = flat
+    with torch.no_grad():
+        logits = model(torch.tensor([P2 + hf_greedy(model, P2, 10)])).logits[0]
+    span = float((logits.max(-1).values - logits.min(-1).values).max())
+    assert span < 2.0, "test set-up: the flat model's logits must span less than the penalty"
+    plain = tokens(llm, [P2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(set(plain)) < len(plain), "test set-up: unpenalized greedy repeats on this model"
+    penalized = tokens(llm, [P2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kwargs))[0]
+    assert len(penalized) == 10
+    assert len(set(penalized)) == 10
+
+
+# ---- stopping
+
+
+def test_max_tokens_respected(llm, greedy_p1) -> None:
+    for max_tokens in (1, 5):
+        (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        completion = out.outputs[0]
+        assert completion.token_ids == greedy_p1[:max_tokens]
+        assert (completion.finish_reason, completion.stop_reason) == ("length", None)
+        assert out.finished
+
+
+def _first_new_index(seq: list[int], start: int = 2) -> int:
+    index = next((i for i in range(start, len(seq)) if seq[i] not in seq[:i]), None)
+    assert index is not None, "test set-up: greedy output without a fresh token"
+    return index
+
+
+def test_stop_token_ids(llm, greedy_p1) -> None:
+    k = _first_new_index(greedy_p1)
+    stop = greedy_p1[k]
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop, 0]))
+    completion = out.outputs[0]
+    assert completion.token_ids == greedy_p1[: k + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    # ignore_eos does not disable stop_token_ids
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                                           ignore_eos=True))
+    assert out.outputs[0].token_ids == greedy_p1[: k + 1]
+
+
+def test_eos_stops_unless_ignore_eos(tiny, greedy_p1, tmp_path) -> None:
+    path, model = tiny
+    k = _first_new_index(greedy_p1)
+    eos = greedy_p1[k]
+    copy = tmp_path / "eos-model"
+    shutil.copytree(path, copy)
+    for name in ("generation_config.json", "config.json"):
+        data = json.loads((copy / name).read_text())
+        data["eos_token_id"] = [eos] if name == "generation_config.json" else eos
+        (copy / name).write_text(json.dumps(data))
+    llm = _llm(copy, model)
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    completion = out.outputs[0]
+    assert completion.token_ids == greedy_p1[: k + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", None)
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert out.outputs[0].token_ids == greedy_p1
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_text(llm, greedy_p1) -> None:
+    (full,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    text = full.outputs[0].text
+    assert text == llm.tokenizer.decode(greedy_p1)
+    middle = len(text) // 2
+    stop = text[middle : middle + 3]
+    assert stop.strip(), "test set-up: a visible stop string"
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop]))
+    completion = out.outputs[0]
+    assert completion.text == text[: text.find(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert completion.token_ids == greedy_p1[: len(completion.token_ids)]
+    assert len(completion.token_ids) < MAX_TOKENS or text.find(stop) + len(stop) > len(text) - 3
+
+
+# ---- logprobs
+
+
+def test_greedy_logprobs_equal_hf_log_softmax(llm, tiny, greedy_p1) -> None:
+    _, model = tiny
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5))
+    completion = out.outputs[0]
+    assert completion.token_ids == greedy_p1
+    assert len(completion.logprobs) == MAX_TOKENS
+    reference = hf_log_softmax(model, P1 + greedy_p1, len(P1))
+    for step, (token, entries) in enumerate(zip(greedy_p1, completion.logprobs, strict=True)):
+        ids = list(entries)
+        assert ids[0] == token and entries[token].rank == 1
+        assert len(entries) == 5
+        assert [e.rank for e in entries.values()] == [1, 2, 3, 4, 5]
+        values = [e.logprob for e in entries.values()]
+        assert values == sorted(values, reverse=True)
+        hf_values, hf_ids = reference[step].topk(5)
+        assert ids == hf_ids.tolist()
+        assert values == pytest.approx(hf_values.tolist(), abs=1e-4)
+        assert all(e.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+                   for t, e in entries.items())
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_sampled_logprobs_carry_the_sampled_token_and_its_rank(llm, tiny, k) -> None:
+    _, model = tiny
+    (out,) = run(llm, [P1], SamplingParams(temperature=1.5, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                           logprobs=k))
+    completion = out.outputs[0]
+    reference = hf_log_softmax(model, P1 + completion.token_ids, len(P1))
+    for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        ids = list(entries)
+        assert ids[0] == token
+        hf_top = reference[step].topk(k).indices.tolist() if k else []
+        assert ids[1:] == [t for t in hf_top if t != token]
+        for tid, entry in entries.items():
+            hf = reference[step]
+            assert entry.logprob == pytest.approx(float(hf[tid]), abs=1e-4)
+            low = int((hf > entry.logprob + 1e-4).sum()) + 1
+            high = int((hf > entry.logprob - 1e-4).sum()) + 1
+            assert low <= entry.rank <= high
+    assert len({len(e) for e in completion.logprobs} - {k, k + 1, 1}) == 0
+
+
+def test_no_logprobs_unless_asked(llm) -> None:
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=2))
+    assert out.outputs[0].logprobs is None
