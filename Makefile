@@ -16,10 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/pagewise generate --chat --max-tokens 48 \
-		"What is the capital of France?" \
-		"Write a haiku about memory pages." \
-		"Explain continuous batching in one sentence."
+	$(VENV)/bin/pagewise serve --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest -q
