@@ -72,9 +72,9 @@ def create_app(
         sessionmaker = create_sessionmaker(db)
         client = engine or await anyio.to_thread.run_sync(load_engine, settings)
         store = quotas or (
-            RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix)
+            RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
             if settings.redis_url
-            else InProcessQuotaStore()
+            else InProcessQuotaStore(lease_s=settings.quota_lease_s)
         )
         services = PlatformServices(
             settings, client, store, sessionmaker, RequestStore(sessionmaker), PlatformMetrics(client)

@@ -97,9 +97,16 @@ def http_error_handler(_: Request, exc: HTTPException) -> Response[ErrorBody]:
     return error_response(APIError(exc.status_code, exc.detail, code=code, headers=exc.headers))
 
 
+def as_api_error(exc: Exception, where: str) -> APIError:
+    """The error a caller sees for `exc`: an `APIError` as it is, anything else a logged, opaque 500."""
+    if isinstance(exc, APIError):
+        return exc
+    logger.error("unhandled error on %s", where, exc_info=exc)
+    return APIError(HTTP_500_INTERNAL_SERVER_ERROR, "Internal server error", type="api_error")
+
+
 def internal_error_handler(request: Request, exc: Exception) -> Response[ErrorBody]:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(APIError(HTTP_500_INTERNAL_SERVER_ERROR, "Internal server error", type="api_error"))
+    return error_response(as_api_error(exc, f"{request.method} {request.url.path}"))
 
 
 EXCEPTION_HANDLERS = {

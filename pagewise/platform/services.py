@@ -6,9 +6,11 @@ import asyncio
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from litestar.datastructures import State
+from litestar.di import NamedDependency
+from litestar.params import SkipValidation
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.engine_client import EngineClient
@@ -17,10 +19,13 @@ from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
 from pagewise.platform.telemetry import PlatformMetrics
 
+if TYPE_CHECKING:
+    from pagewise.platform.inference.job import InferenceJob
+
 
 @dataclass(slots=True)
 class PlatformServices:
-    """Long-lived parts of one app. `running` maps an async request's id to the task generating it."""
+    """Long-lived parts of one app. `running` maps an async request's id to its job while its task runs."""
 
     settings: Settings
     engine: EngineClient
@@ -29,7 +34,7 @@ class PlatformServices:
     requests: RequestStore
     metrics: PlatformMetrics
     started_at: int = field(default_factory=lambda: int(time.time()))
-    running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    running: dict[str, InferenceJob] = field(default_factory=dict)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -41,10 +46,13 @@ class PlatformServices:
 
     async def drain(self) -> None:
         """Cancel async requests, then wait for every background task (finishing writes included)."""
-        for task in list(self.running.values()):
-            task.cancel()
+        await asyncio.gather(*(job.cancel() for job in list(self.running.values())), return_exceptions=True)
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+Services: TypeAlias = NamedDependency[SkipValidation[PlatformServices]]
+"""How a handler asks for the services: injected by name, passed through as is (never converted)."""
 
 
 def provide_services(state: State) -> PlatformServices:

@@ -55,6 +55,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_key_prefix: str = "pagewise:"
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     max_body_bytes: int = 1_000_000
+    quota_lease_s: float = 600.0
     auto_migrate: bool = True
     otel_exporter_otlp_endpoint: str | None = None
 
@@ -97,6 +98,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise SettingsError(
                 f"PAGEWISE_REDIS_URL must start with redis://, rediss:// or unix://; got {self.redis_url!r}"
             )
+        if self.quota_lease_s <= 0:
+            raise SettingsError(f"PAGEWISE_QUOTA_LEASE_S must be positive; got {self.quota_lease_s}")
         if self.max_body_bytes <= 0:
             raise SettingsError(f"PAGEWISE_MAX_BODY_BYTES must be positive; got {self.max_body_bytes}")
         for name in _POSITIVE_ENGINE_FLAGS:

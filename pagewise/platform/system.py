@@ -7,7 +7,7 @@ from litestar import Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
-from pagewise.platform.services import PlatformServices
+from pagewise.platform.services import Services
 
 
 class Health(msgspec.Struct):
@@ -26,7 +26,7 @@ async def health() -> Health:
 
 
 @get("/ready", tags=["system"])
-async def ready(services: PlatformServices) -> Response[Readiness]:
+async def ready(services: Services) -> Response[Readiness]:
     """200 once the model is loaded and the database answers; 503 otherwise."""
     model_loaded = services.engine.is_ready()
     try:
@@ -42,5 +42,5 @@ async def ready(services: PlatformServices) -> Response[Readiness]:
 
 
 @get("/metrics", tags=["system"], media_type=CONTENT_TYPE_LATEST)
-async def metrics(services: PlatformServices) -> Response[bytes]:
+async def metrics(services: Services) -> Response[bytes]:
     return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

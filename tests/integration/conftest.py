@@ -99,17 +99,34 @@ def redis_key_prefix() -> Iterator[str]:
     asyncio.run(cleanup())
 
 
+QuotaStoreFactory = Callable[..., QuotaStore]
+
+
 @pytest.fixture(params=["memory", "redis"])
-async def quota_store(request: pytest.FixtureRequest, redis_key_prefix: str) -> AsyncIterator[QuotaStore]:
+async def quota_store_factory(
+    request: pytest.FixtureRequest, redis_key_prefix: str
+) -> AsyncIterator[QuotaStoreFactory]:
+    """Makes stores of one kind (`memory` or `redis`): `factory(clock, lease_s=…)`; all closed afterwards."""
+    stores: list[QuotaStore] = []
+
+    def make(clock: Callable[[], float], **options: float) -> QuotaStore:
+        store: QuotaStore
+        if request.param == "memory":
+            store = InProcessQuotaStore(clock, **options)
+        else:
+            store = RedisQuotaStore.from_url(REDIS_URL, redis_key_prefix, clock, **options)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+@pytest.fixture
+def quota_store(quota_store_factory: QuotaStoreFactory) -> QuotaStore:
     """Both quota stores on a frozen clock, so the same tests prove the same semantics."""
-    clock = lambda: FROZEN_NOW  # noqa: E731
-    store: QuotaStore
-    if request.param == "memory":
-        store = InProcessQuotaStore(clock)
-    else:
-        store = RedisQuotaStore.from_url(REDIS_URL, redis_key_prefix, clock)
-    yield store
-    await store.close()
+    return quota_store_factory(lambda: FROZEN_NOW)
 
 
 @pytest.fixture(scope="session")

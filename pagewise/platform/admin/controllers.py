@@ -8,14 +8,14 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, get
-from litestar.params import Parameter
+from litestar.params import FromQuery, QueryParameter
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.models import ApiKey, RequestRecord, Tenant
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import requires_scope
 from pagewise.platform.requests.schemas import RequestList, request_page
-from pagewise.platform.services import PlatformServices
+from pagewise.platform.services import Services
 from pagewise.platform.usage.service import BucketWidth, GroupField, UsagePage, usage_page
 
 DEFAULT_RANGE_S = 7 * 86400
@@ -56,12 +56,12 @@ class AdminController(Controller):
     @get("/usage")
     async def usage(
         self,
-        db_session: AsyncSession,
-        start_time: int | None = None,
-        end_time: int | None = None,
-        bucket_width: BucketWidth = "1d",
-        group_by: list[GroupField] | None = None,
-        tenant_id: str | None = None,
+        db_session: DbSession,
+        start_time: FromQuery[int | None] = None,
+        end_time: FromQuery[int | None] = None,
+        bucket_width: FromQuery[BucketWidth] = "1d",
+        group_by: FromQuery[list[GroupField] | None] = None,
+        tenant_id: FromQuery[str | None] = None,
     ) -> UsagePage:
         start = start_time if start_time is not None else int(time.time()) - DEFAULT_RANGE_S
         return await usage_page(
@@ -76,13 +76,13 @@ class AdminController(Controller):
     @get("/requests")
     async def requests(
         self,
-        db_session: AsyncSession,
-        tenant_id: str | None = None,
-        status: str | None = None,
-        since: dt.datetime | None = None,
-        until: dt.datetime | None = None,
-        after: str | None = None,
-        limit: Annotated[int, Parameter(ge=1, le=200)] = 50,
+        db_session: DbSession,
+        tenant_id: FromQuery[str | None] = None,
+        status: FromQuery[str | None] = None,
+        since: FromQuery[dt.datetime | None] = None,
+        until: FromQuery[dt.datetime | None] = None,
+        after: FromQuery[str | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
     ) -> RequestList:
         query = select(RequestRecord).order_by(RequestRecord.id.desc()).limit(limit + 1)
         filters = [
@@ -96,12 +96,12 @@ class AdminController(Controller):
         return request_page(list((await db_session.scalars(query)).all()), limit)
 
     @get("/engine")
-    async def engine(self, services: PlatformServices) -> EngineView:
+    async def engine(self, services: Services) -> EngineView:
         e = services.engine
         return EngineView(e.model_name, e.max_model_len, e.stats())
 
     @get("/overview")
-    async def overview(self, db_session: AsyncSession, services: PlatformServices) -> Overview:
+    async def overview(self, db_session: DbSession, services: Services) -> Overview:
         since = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
         recent = RequestRecord.queued_at >= since
         by_status = dict(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, TypeAlias
 
 from litestar.datastructures import State
+from litestar.di import NamedDependency
+from litestar.params import SkipValidation
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -28,6 +30,10 @@ def create_db_engine(url: str) -> AsyncEngine:
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+DbSession: TypeAlias = NamedDependency[SkipValidation[AsyncSession]]
+"""How a handler asks for the per-request session (dependency `db_session`)."""
 
 
 async def provide_db_session(state: State) -> AsyncGenerator[AsyncSession, None]:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, Response, get, post
-from litestar.response import Stream
+from litestar.params import FromPath, JSONBody
 
 from pagewise.platform.errors import APIError
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
-from pagewise.platform.inference.rendering import chat_completion, chat_events, completion, completion_events
+from pagewise.platform.inference.rendering import (
+    SettlingStream,
+    chat_completion,
+    chat_events,
+    completion,
+    completion_events,
+)
 from pagewise.platform.inference.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -18,9 +24,7 @@ from pagewise.platform.inference.schemas import (
     ModelList,
 )
 from pagewise.platform.keys.auth import Principal, requires_scope
-from pagewise.platform.services import PlatformServices
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from pagewise.platform.services import PlatformServices, Services
 
 
 class InferenceController(Controller):
@@ -31,40 +35,39 @@ class InferenceController(Controller):
     @post("/chat/completions", status_code=200)
     async def chat_completions(
         self,
-        data: ChatCompletionRequest,
+        data: JSONBody[ChatCompletionRequest],
         request: Request[Principal, str, object],
-        services: PlatformServices,
+        services: Services,
     ) -> Response[ChatCompletion]:
         """OpenAI Chat Completions; `stream: true` answers with server-sent events ending in `[DONE]`."""
         job = await InferenceJob.admit(
             services, request.user, prepare_chat(data, request.user, services.engine)
         )
         if job.prepared.stream:
-            return Stream(
-                chat_events(job), media_type="text/event-stream", headers={**SSE_HEADERS, **job.headers}
-            )
+            return SettlingStream(job, chat_events)
         return Response(chat_completion(job, await job.collect()), headers=job.headers)
 
     @post("/completions", status_code=200)
     async def completions(
-        self, data: CompletionRequest, request: Request[Principal, str, object], services: PlatformServices
+        self,
+        data: JSONBody[CompletionRequest],
+        request: Request[Principal, str, object],
+        services: Services,
     ) -> Response[Completion]:
         """OpenAI (legacy) Completions; `prompt` may be a string, strings, token ids or lists of token ids."""
         job = await InferenceJob.admit(
             services, request.user, prepare_completion(data, request.user, services.engine)
         )
         if job.prepared.stream:
-            return Stream(
-                completion_events(job), media_type="text/event-stream", headers={**SSE_HEADERS, **job.headers}
-            )
+            return SettlingStream(job, completion_events)
         return Response(completion(job, await job.collect()), headers=job.headers)
 
     @get("/models")
-    async def list_models(self, services: PlatformServices) -> ModelList:
+    async def list_models(self, services: Services) -> ModelList:
         return ModelList([_model(services)])
 
     @get("/models/{model_id:str}")
-    async def get_model(self, model_id: str, services: PlatformServices) -> Model:
+    async def get_model(self, model_id: FromPath[str], services: Services) -> Model:
         if model_id != services.engine.model_name:
             raise APIError(
                 404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"

@@ -3,8 +3,13 @@
 Invariants:
 - Admission reserves quota first and writes the `queued` row second; if the write fails the reservation is
   released, so there is never a row without a reservation or a reservation without a row.
-- `finish` runs exactly once, whatever ends the job (completion, engine error, client disconnect, DELETE,
-  shutdown); it writes the final row with the day's usage and reconciles the quota to the billed tokens.
+- Settlement happens exactly once, whatever ends the job: completion, engine error, the engine rejecting the
+  request, an engine-side abort, a client that hangs up (even before the first chunk, when `run` never
+  started), DELETE (even before the background task ran), shutdown. The first call to `finish` wins: it
+  writes the final row (a terminal status: completed / failed / cancelled) with the day's usage and
+  reconciles the quota to the billed tokens; every later call only waits for that write.
+- Whoever hands a job to something that may never run it (a streaming response, a background task) also
+  arranges for `finish("cancelled")` if that never happens: `SettlingStream` and `start_in_background`.
 - Billed tokens are what the engine really counted: each prompt that reached the engine plus every token it
   generated, even for a cancelled request.
 """
@@ -13,14 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from pagewise.engine.errors import InvalidRequestError
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.engine_client import ChoiceDelta, GenerationDelta, PositionLogprobs
+from pagewise.platform.errors import invalid_request
 from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
@@ -28,7 +36,9 @@ from pagewise.platform.quotas.quota_store import Reservation
 from pagewise.platform.requests.store import FinishedRequest
 from pagewise.platform.services import PlatformServices
 
+logger = logging.getLogger(__name__)
 _ID_PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
+ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 
 
 @dataclass(slots=True)
@@ -77,6 +87,8 @@ class InferenceJob:
         self._first_token: float | None = None
         self._first_token_at: dt.datetime | None = None
         self._persisting: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lease_renewed = self._start  # monotonic time of the reservation or its latest renewal
 
     @classmethod
     async def admit(
@@ -115,8 +127,19 @@ class InferenceJob:
         cached = sum(p.cached_tokens for p in self._prompts if p.reached_engine)
         return prompt, sum(c.num_tokens for c in self.choices.values()), cached
 
+    @property
+    def settled(self) -> bool:
+        """True once the final write has begun: the job will not (or no longer) run on the engine."""
+        return self._persisting is not None
+
     async def run(self) -> AsyncIterator[ChoiceDelta]:
-        """Deltas with request-wide choice indexes. Leaving early cancels the request (and bills it)."""
+        """Deltas with request-wide choice indexes. Leaving early cancels the request (and bills it).
+
+        Ends `completed`, `cancelled` (left early, or aborted on the engine's side) or `failed` (the error
+        propagates; an engine rejection as a 400 `APIError`). A job already settled yields nothing.
+        """
+        if self.settled:
+            return
         status, error = "cancelled", None
         n = self.prepared.params.n
         try:
@@ -131,7 +154,11 @@ class InferenceJob:
                             choice.finish_reason,
                             choice.logprobs,
                         )
-            status = "completed"
+            aborted = any(c.finish_reason == ABORTED for c in self.choices.values())
+            status = "cancelled" if aborted else "completed"
+        except InvalidRequestError as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise invalid_request(str(exc)) from None
         except Exception as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
@@ -145,6 +172,37 @@ class InferenceJob:
                 pass
         return [self.choices[i] for i in sorted(self.choices)]
 
+    def start_in_background(self) -> None:
+        """Run to the end in a task of its own (async requests), listed in `services.running` meanwhile.
+
+        If the task is cancelled before its first step its body never runs; the done-callback then settles
+        the job as `cancelled`, so `cancel` and shutdown never leave a held slot or a `queued` row.
+        """
+
+        async def run() -> None:
+            try:
+                await self.collect()
+            except Exception:
+                logger.exception("async request %s failed", self.id)
+
+        running = self.services.running
+        self._task = self.services.spawn(run())
+        running[self.id] = self
+
+        def done(_: asyncio.Task[None]) -> None:
+            running.pop(self.id, None)
+            self._begin_finish("cancelled", None)  # a no-op unless the body never ran
+
+        self._task.add_done_callback(done)
+
+    async def cancel(self) -> None:
+        """Cancel the job wherever it is (never started, running in the background, or done: a no-op)
+        and wait until its final row is written."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.finish("cancelled", None)
+
     def _engine_deltas(self) -> AsyncIterator[tuple[int, GenerationDelta]]:
         engine, tenant = self.services.engine, self.principal.tenant_id  # the salt comes from the key only
         streams = [
@@ -154,6 +212,7 @@ class InferenceJob:
         return _merge(streams)
 
     def _record(self, prompt_index: int, delta: GenerationDelta) -> None:
+        self._renew_lease_if_due()
         prompt = self._prompts[prompt_index]
         prompt.reached_engine = True
         prompt.prompt_tokens, prompt.cached_tokens = delta.prompt_tokens, delta.cached_tokens
@@ -172,11 +231,25 @@ class InferenceJob:
                     self.services.requests.mark_running(self.id, self._started_at, self._first_token_at)
                 )
 
+    def _renew_lease_if_due(self) -> None:
+        """A request still producing tokens renews its quota lease once half of it has passed."""
+        now = time.monotonic()
+        if now - self._lease_renewed >= self.services.quotas.lease_s / 2:
+            self._lease_renewed = now
+            self.services.spawn(self.services.quotas.renew(self.reservation))
+
     async def finish(self, status: str, error: str | None) -> None:
-        """Exactly once: the final row, the day's usage, the quota reconciliation and the metrics."""
+        """Exactly once: the final row, the day's usage, the quota reconciliation and the metrics.
+
+        The first call decides the status; the write runs in a task of its own, so cancelling the caller
+        (a client gone, a DELETE, shutdown) never interrupts it half-way.
+        """
+        await asyncio.shield(self._begin_finish(status, error))
+
+    def _begin_finish(self, status: str, error: str | None) -> asyncio.Task[None]:
         if self._persisting is None:
             self._persisting = self.services.spawn(self._persist(status, error))
-        await asyncio.shield(self._persisting)
+        return self._persisting
 
     async def wait_finished(self) -> None:
         """Wait until the final row is written (after `finish`, which may itself have been interrupted)."""

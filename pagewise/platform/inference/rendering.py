@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Any
 
+import anyio
 import msgspec
+from litestar.response import Stream
+from litestar.types import Receive, Scope, Send
 
 from pagewise.platform.engine_client import ChoiceDelta, PositionLogprobs, TokenLogprob
+from pagewise.platform.errors import as_api_error
 from pagewise.platform.inference.job import ChoiceState, InferenceJob
 from pagewise.platform.inference.schemas import (
     AssistantMessage,
@@ -27,6 +32,7 @@ from pagewise.platform.inference.schemas import (
 )
 
 _DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def usage(job: InferenceJob) -> Usage:
@@ -118,14 +124,18 @@ async def chat_events(job: InferenceJob) -> AsyncIterator[bytes]:
 
     for index in sorted(job.choices):
         yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None)])
-    async with aclosing(job.run()) as deltas:
-        async for d in deltas:
-            if _is_news(d):
-                logprobs = chat_logprobs(d.logprobs or []) if wants_logprobs else None
-                content = ChatDelta(content=d.text) if d.text else ChatDelta()
-                yield chunk([ChatChunkChoice(d.index, content, logprobs, d.finish_reason)])
-    if job.prepared.include_usage:
-        yield chunk([], usage(job))
+    try:
+        async with aclosing(job.run()) as deltas:
+            async for d in deltas:
+                if _is_news(d):
+                    logprobs = chat_logprobs(d.logprobs or []) if wants_logprobs else None
+                    content = ChatDelta(content=d.text) if d.text else ChatDelta()
+                    yield chunk([ChatChunkChoice(d.index, content, logprobs, d.finish_reason)])
+    except Exception as exc:  # the status line is long gone: the error travels as an event
+        yield _error_event(exc, job)
+    else:
+        if job.prepared.include_usage:
+            yield chunk([], usage(job))
     yield _DONE
 
 
@@ -133,18 +143,65 @@ async def completion_events(job: InferenceJob) -> AsyncIterator[bytes]:
     """SSE for a streamed completion: text deltas, usage if asked, [DONE]."""
     wants_logprobs = job.prepared.params.logprobs is not None
     offsets = dict.fromkeys(job.choices, 0)
-    async with aclosing(job.run()) as deltas:
-        async for d in deltas:
-            if _is_news(d):
-                logprobs = completion_logprobs(d.logprobs or [], offsets[d.index]) if wants_logprobs else None
-                offsets[d.index] += len(d.text)
-                body = Completion(
-                    job.id,
-                    job.created,
-                    job.prepared.model,
-                    [CompletionChoice(d.index, d.text, logprobs, d.finish_reason)],
-                )
-                yield _event(body)
-    if job.prepared.include_usage:
-        yield _event(Completion(job.id, job.created, job.prepared.model, [], usage(job)))
+    try:
+        async with aclosing(job.run()) as deltas:
+            async for d in deltas:
+                if _is_news(d):
+                    logprobs = (
+                        completion_logprobs(d.logprobs or [], offsets[d.index]) if wants_logprobs else None
+                    )
+                    offsets[d.index] += len(d.text)
+                    body = Completion(
+                        job.id,
+                        job.created,
+                        job.prepared.model,
+                        [CompletionChoice(d.index, d.text, logprobs, d.finish_reason)],
+                    )
+                    yield _event(body)
+    except Exception as exc:  # the status line is long gone: the error travels as an event
+        yield _error_event(exc, job)
+    else:
+        if job.prepared.include_usage:
+            yield _event(Completion(job.id, job.created, job.prepared.model, [], usage(job)))
     yield _DONE
+
+
+def _error_event(exc: Exception, job: InferenceJob) -> bytes:
+    """An error after the stream started: `data: {"error": {...}}` (what OpenAI and vLLM send)."""
+    return _event(as_api_error(exc, f"streamed request {job.id}").body())
+
+
+class SettlingStream(Stream):
+    """The SSE response for one job; whatever ends the response settles the job.
+
+    Litestar runs the event iterator in a task that a client disconnect cancels — possibly before the
+    iterator's first step, when `job.run` (whose `finally` settles the job) has not even started. So the
+    ASGI response is wrapped: when it ends, for any reason, the iterator is closed (a started `run` finishes
+    with the tokens so far) and the job is finished as `cancelled` (a no-op if `run` already settled it).
+    """
+
+    def __init__(self, job: InferenceJob, events: Callable[[InferenceJob], AsyncIterator[bytes]]) -> None:
+        super().__init__(
+            events(job), media_type="text/event-stream", headers={**SSE_HEADERS, **job.headers}
+        )
+        self.job = job
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        return _SettleAfter(super().to_asgi_response(*args, **kwargs), self.job, self.iterator)
+
+
+class _SettleAfter:
+    """An ASGI app: the wrapped response, then (shielded from cancellation) the job's settlement."""
+
+    __slots__ = ("_events", "_job", "_response")
+
+    def __init__(self, response: Any, job: InferenceJob, events: AsyncIterator[bytes]) -> None:
+        self._response, self._job, self._events = response, job, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._response(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._job.finish("cancelled", None)

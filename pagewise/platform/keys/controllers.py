@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from litestar import Controller, delete, get, post
-from litestar.di import Provide
-from sqlalchemy.ext.asyncio import AsyncSession
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, JSONBody, SkipValidation
 
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import requires_scope
 from pagewise.platform.keys.schemas import KeyCreate, KeyCreated, KeyOut
 from pagewise.platform.keys.service import KeyService, key_out
 
+Keys = NamedDependency[SkipValidation[KeyService]]
 
-def provide_key_service(db_session: AsyncSession) -> KeyService:
+
+def provide_key_service(db_session: DbSession) -> KeyService:
     return KeyService(db_session)
 
 
@@ -22,17 +25,17 @@ class KeyController(Controller):
     tags = ["admin"]
 
     @post("/")
-    async def create_key(self, tenant_id: str, data: KeyCreate, keys: KeyService) -> KeyCreated:
+    async def create_key(self, tenant_id: FromPath[str], data: JSONBody[KeyCreate], keys: Keys) -> KeyCreated:
         return await keys.create(tenant_id, data)
 
     @get("/")
-    async def list_keys(self, tenant_id: str, keys: KeyService) -> list[KeyOut]:
+    async def list_keys(self, tenant_id: FromPath[str], keys: Keys) -> list[KeyOut]:
         return [key_out(k) for k in await keys.list(tenant_id)]
 
     @delete("/{key_id:str}", status_code=200)
-    async def revoke_key(self, tenant_id: str, key_id: str, keys: KeyService) -> KeyOut:
+    async def revoke_key(self, tenant_id: FromPath[str], key_id: FromPath[str], keys: Keys) -> KeyOut:
         return key_out(await keys.revoke(tenant_id, key_id))
 
     @post("/{key_id:str}/rotate")
-    async def rotate_key(self, tenant_id: str, key_id: str, keys: KeyService) -> KeyCreated:
+    async def rotate_key(self, tenant_id: FromPath[str], key_id: FromPath[str], keys: Keys) -> KeyCreated:
         return await keys.rotate(tenant_id, key_id)

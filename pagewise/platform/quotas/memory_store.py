@@ -1,7 +1,10 @@
 """The in-process quota store (embedded mode).
 
-Invariant: every method runs without awaiting in between reads and writes, so on one event loop each call is
-atomic — the same guarantee the Redis store gets from Lua.
+Invariants:
+- Every method runs without awaiting in between reads and writes, so on one event loop each call is atomic —
+  the same guarantee the Redis store gets from Lua.
+- A tenant's concurrency is the number of its live leases (`leases`: reservation id → expiry); there is no
+  separate counter that could drift from it. An expired lease is dropped before anything is read.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagewise.platform.quotas.quota_store import (
+    DEFAULT_LEASE_S,
     Decision,
     QuotaLimits,
     QuotaUsage,
@@ -27,8 +31,7 @@ class _TenantCounters:
     requests_this_minute: int = 0
     tokens_this_minute: int = 0
     tokens_this_month: int = 0
-    concurrent: int = 0
-    reservations: set[str] = field(default_factory=set)
+    leases: dict[str, float] = field(default_factory=dict)
 
     def roll(self, windows: QuotaWindows) -> None:
         """Start fresh windows when the minute or the month has changed."""
@@ -37,41 +40,53 @@ class _TenantCounters:
         if windows.month != self.month:
             self.month, self.tokens_this_month = windows.month, 0
 
+    def expire(self, now: float) -> None:
+        """Release the slots of leases that ran out (their holder crashed or never reconciled)."""
+        for reservation_id in [r for r, expiry in self.leases.items() if expiry <= now]:
+            del self.leases[reservation_id]
+
 
 class InProcessQuotaStore:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, lease_s: float = DEFAULT_LEASE_S) -> None:
         self._clock = clock
+        self.lease_s = lease_s
         self._tenants: dict[str, _TenantCounters] = {}
 
-    def _counters(self, tenant_id: str) -> tuple[_TenantCounters, QuotaWindows]:
-        windows = QuotaWindows.at(self._clock())
+    def _counters(self, tenant_id: str) -> tuple[_TenantCounters, QuotaWindows, float]:
+        now = self._clock()
+        windows = QuotaWindows.at(now)
         counters = self._tenants.setdefault(tenant_id, _TenantCounters())
         counters.roll(windows)
-        return counters, windows
+        counters.expire(now)
+        return counters, windows, now
 
     async def reserve(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
     ) -> Decision:
-        c, windows = self._counters(tenant_id)
+        c, windows, now = self._counters(tenant_id)
         rejected = first_rejection(
-            limits, tokens, c.concurrent, c.requests_this_minute, c.tokens_this_minute, c.tokens_this_month
+            limits, tokens, len(c.leases), c.requests_this_minute, c.tokens_this_minute, c.tokens_this_month
         )
         reservation = None
         if rejected is None:
-            c.concurrent += 1
             c.requests_this_minute += 1
             c.tokens_this_minute += tokens
             c.tokens_this_month += tokens
-            c.reservations.add(reservation_id)
+            c.leases[reservation_id] = now + self.lease_s
             reservation = Reservation(reservation_id, tenant_id, tokens, windows.minute, windows.month)
         return Decision(reservation, rejected, self._snapshot(c, windows), limits)
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
-        c, _ = self._counters(reservation.tenant_id)
-        if reservation.id not in c.reservations:
+    async def renew(self, reservation: Reservation) -> bool:
+        c, _, now = self._counters(reservation.tenant_id)
+        if reservation.id not in c.leases:
             return False
-        c.reservations.discard(reservation.id)
-        c.concurrent -= 1
+        c.leases[reservation.id] = now + self.lease_s
+        return True
+
+    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
+        c, _, _ = self._counters(reservation.tenant_id)
+        if c.leases.pop(reservation.id, None) is None:
+            return False
         delta = actual_tokens - reservation.tokens
         if reservation.minute == c.minute:
             c.tokens_this_minute += delta
@@ -80,7 +95,8 @@ class InProcessQuotaStore:
         return True
 
     async def usage(self, tenant_id: str) -> QuotaUsage:
-        return self._snapshot(*self._counters(tenant_id))
+        c, windows, _ = self._counters(tenant_id)
+        return self._snapshot(c, windows)
 
     async def close(self) -> None:
         self._tenants.clear()
@@ -88,8 +104,8 @@ class InProcessQuotaStore:
     @staticmethod
     def _snapshot(c: _TenantCounters, windows: QuotaWindows) -> QuotaUsage:
         return QuotaUsage(
-            concurrent=c.concurrent,
-            outstanding=len(c.reservations),
+            concurrent=len(c.leases),
+            outstanding=len(c.leases),
             requests_this_minute=c.requests_this_minute,
             tokens_this_minute=c.tokens_this_minute,
             tokens_this_month=c.tokens_this_month,

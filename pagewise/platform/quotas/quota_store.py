@@ -6,6 +6,10 @@ Semantics (both stores, same tests):
   `tokens` tokens in one atomic step. A rejection changes nothing.
 - `reconcile` releases the slot and replaces the reserved tokens by the real count, exactly once per
   reservation: a second call for the same reservation is a no-op that returns False.
+- A reservation is a lease: it holds its concurrency slot for `lease_s` seconds (renewable with `renew`).
+  A lease that runs out — its process crashed, or lost the reconcile — gives its slot back at the next
+  call for that tenant; its reserved tokens stay counted (the safe side), and a late `reconcile` is a
+  no-op returning False. Holders of long requests renew before half the lease has passed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Literal, Protocol
 import msgspec
 
 Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget"]
+DEFAULT_LEASE_S = 600.0
 
 
 class QuotaLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +44,11 @@ class Reservation(msgspec.Struct, frozen=True):
 
 
 class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of one tenant at one moment, with the seconds until the minute and the month roll over."""
+    """Counters of one tenant at one moment, with the seconds until the minute and the month roll over.
+
+    `concurrent` (slots held) and `outstanding` (reservations not yet reconciled) are both the number of
+    live leases; both are kept because callers read either name.
+    """
 
     concurrent: int
     outstanding: int
@@ -60,9 +69,16 @@ class Decision(msgspec.Struct, frozen=True):
 
 
 class QuotaStore(Protocol):
+    lease_s: float
+    """How long a reservation holds its slot without `renew`."""
+
     async def reserve(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
     ) -> Decision: ...
+
+    async def renew(self, reservation: Reservation) -> bool:
+        """Extend a live lease by a full lease from now; False if it was reconciled or has expired."""
+        ...
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool: ...
 

@@ -1,8 +1,11 @@
 """The Redis quota store (used when `PAGEWISE_REDIS_URL` is set). Each operation is one Lua script: atomic.
 
-Keys per tenant under the configured prefix: `conc` (in-flight requests), `req:<minute>` and `tok:<minute>`
-(expire after two minutes), `month:<YYYYMM>` (expires after the month), and the hash `res` of outstanding
-reservations. Exactly-once reconciliation rests on `HDEL res <id>` returning 1 only the first time.
+Keys per tenant under the configured prefix: `req:<minute>` and `tok:<minute>` (expire after two minutes),
+`month:<YYYYMM>` (expires after the month), and the sorted set `leases` of outstanding reservation ids scored
+by their lease's expiry (unix seconds). A tenant's concurrency is the number of live leases: every script
+first drops the expired ones (`ZREMRANGEBYSCORE -inf now`), so a slot held by a crashed process comes back
+once its lease runs out. Exactly-once reconciliation rests on `ZREM leases <id>` returning 1 only the first
+time. The key `leases` expires one lease after its newest write, so an idle tenant leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 import redis.asyncio as redis
 
 from pagewise.platform.quotas.quota_store import (
+    DEFAULT_LEASE_S,
     Decision,
     QuotaLimits,
     QuotaUsage,
@@ -25,9 +29,12 @@ from pagewise.platform.quotas.quota_store import (
 _MINUTE_TTL_S = 120
 _MONTH_EXTRA_TTL_S = 7 * 86400
 
-# KEYS: conc, req, tok, month, res · ARGV: max_conc, rpm, tpm, budget (-1 = unlimited), tokens, id, ttls
+# KEYS: leases, req, tok, month · ARGV: max_conc, rpm, tpm, budget (-1 = unlimited), tokens, id,
+#       minute ttl, month ttl, now, lease seconds
 _RESERVE = """
-local conc = tonumber(redis.call('GET', KEYS[1]) or '0')
+local now, lease = tonumber(ARGV[9]), tonumber(ARGV[10])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local conc = redis.call('ZCARD', KEYS[1])
 local reqs = tonumber(redis.call('GET', KEYS[2]) or '0')
 local toks = tonumber(redis.call('GET', KEYS[3]) or '0')
 local month = tonumber(redis.call('GET', KEYS[4]) or '0')
@@ -39,26 +46,36 @@ elseif tonumber(ARGV[3]) >= 0 and toks + tokens > tonumber(ARGV[3]) then rejecte
 elseif tonumber(ARGV[4]) >= 0 and month + tokens > tonumber(ARGV[4]) then rejected = 'monthly_budget'
 end
 if rejected == '' then
-  conc = redis.call('INCR', KEYS[1])
+  redis.call('ZADD', KEYS[1], now + lease, ARGV[6])
+  redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
+  conc = conc + 1
   reqs = redis.call('INCR', KEYS[2])
   redis.call('EXPIRE', KEYS[2], ARGV[7])
   toks = redis.call('INCRBY', KEYS[3], tokens)
   redis.call('EXPIRE', KEYS[3], ARGV[7])
   month = redis.call('INCRBY', KEYS[4], tokens)
   redis.call('EXPIRE', KEYS[4], ARGV[8])
-  redis.call('HSET', KEYS[5], ARGV[6], tokens)
 end
-return {rejected, conc, reqs, toks, month, redis.call('HLEN', KEYS[5])}
+return {rejected, conc, reqs, toks, month}
 """
 
-# KEYS: conc, res, tok (reservation's minute), month (reservation's month) · ARGV: id, reserved, actual
+# KEYS: leases · ARGV: id, now, lease seconds
+_RENEW = """
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) <= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3])) + 1)
+return 1
+"""
+
+# KEYS: leases, tok (reservation's minute), month (reservation's month) · ARGV: id, reserved, actual, now
 _RECONCILE = """
-if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('DECR', KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 local delta = tonumber(ARGV[3]) - tonumber(ARGV[2])
 if delta ~= 0 then
+  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCRBY', KEYS[2], delta) end
   if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('INCRBY', KEYS[3], delta) end
-  if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], delta) end
 end
 return 1
 """
@@ -71,16 +88,30 @@ def _limit(value: int | None) -> int:
 class RedisQuotaStore:
     """Quota counters in Redis. `client` must decode responses (`decode_responses=True`)."""
 
-    def __init__(self, client: redis.Redis, key_prefix: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        key_prefix: str,
+        clock: Callable[[], float] = time.time,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
         self._redis = client
         self._prefix = key_prefix
         self._clock = clock
+        self.lease_s = lease_s
         self._reserve = client.register_script(_RESERVE)
+        self._renew = client.register_script(_RENEW)
         self._reconcile = client.register_script(_RECONCILE)
 
     @classmethod
-    def from_url(cls, url: str, key_prefix: str, clock: Callable[[], float] = time.time) -> RedisQuotaStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True), key_prefix, clock)
+    def from_url(
+        cls,
+        url: str,
+        key_prefix: str,
+        clock: Callable[[], float] = time.time,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> RedisQuotaStore:
+        return cls(redis.Redis.from_url(url, decode_responses=True), key_prefix, clock, lease_s)
 
     def _key(self, tenant_id: str, name: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{name}"
@@ -88,10 +119,11 @@ class RedisQuotaStore:
     async def reserve(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
     ) -> Decision:
-        w = QuotaWindows.at(self._clock())
+        now = self._clock()
+        w = QuotaWindows.at(now)
         keys = [
             self._key(tenant_id, k)
-            for k in ("conc", f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
+            for k in ("leases", f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
         ]
         args = [
             _limit(limits.max_concurrent_requests),
@@ -102,17 +134,17 @@ class RedisQuotaStore:
             reservation_id,
             _MINUTE_TTL_S,
             math.ceil(w.month_resets_in) + _MONTH_EXTRA_TTL_S,
+            repr(now),
+            self.lease_s,
         ]
-        rejected, conc, reqs, toks, month, outstanding = await self._reserve(
-            keys=[*keys, self._key(tenant_id, "res")], args=args
-        )
+        rejected, conc, reqs, toks, month = await self._reserve(keys=keys, args=args)
         rejected_by: Rejection | None = rejected or None
         reservation = None
         if rejected_by is None:
             reservation = Reservation(reservation_id, tenant_id, tokens, w.minute, w.month)
         usage = QuotaUsage(
             concurrent=int(conc),
-            outstanding=int(outstanding),
+            outstanding=int(conc),
             requests_this_minute=int(reqs),
             tokens_this_minute=int(toks),
             tokens_this_month=int(month),
@@ -121,29 +153,33 @@ class RedisQuotaStore:
         )
         return Decision(reservation, rejected_by, usage, limits)
 
+    async def renew(self, reservation: Reservation) -> bool:
+        keys = [self._key(reservation.tenant_id, "leases")]
+        return bool(await self._renew(keys=keys, args=[reservation.id, repr(self._clock()), self.lease_s]))
+
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
         t = reservation.tenant_id
         keys = [
-            self._key(t, "conc"),
-            self._key(t, "res"),
+            self._key(t, "leases"),
             self._key(t, f"tok:{reservation.minute}"),
             self._key(t, f"month:{reservation.month}"),
         ]
-        return bool(
-            await self._reconcile(keys=keys, args=[reservation.id, reservation.tokens, actual_tokens])
-        )
+        args = [reservation.id, reservation.tokens, actual_tokens, repr(self._clock())]
+        return bool(await self._reconcile(keys=keys, args=args))
 
     async def usage(self, tenant_id: str) -> QuotaUsage:
-        w = QuotaWindows.at(self._clock())
-        names = ("conc", f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
+        """A read-only snapshot: leases past their expiry are not counted (the next write drops them)."""
+        now = self._clock()
+        w = QuotaWindows.at(now)
+        names = (f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.mget([self._key(tenant_id, n) for n in names])
-            pipe.hlen(self._key(tenant_id, "res"))
-            values, outstanding = await pipe.execute()
-        conc, reqs, toks, month = (int(v or 0) for v in values)
+            pipe.zcount(self._key(tenant_id, "leases"), f"({now!r}", "+inf")
+            values, live = await pipe.execute()
+        reqs, toks, month = (int(v or 0) for v in values)
         return QuotaUsage(
-            concurrent=conc,
-            outstanding=int(outstanding),
+            concurrent=int(live),
+            outstanding=int(live),
             requests_this_minute=reqs,
             tokens_this_minute=toks,
             tokens_this_month=month,

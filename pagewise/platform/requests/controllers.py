@@ -5,16 +5,15 @@ Every query is scoped to the caller's tenant: another tenant's id answers 404, e
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from typing import Annotated, TypeVar
 
 import msgspec
 from litestar import Controller, Request, delete, get, post
-from litestar.params import Parameter
+from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import invalid_request, not_found
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
@@ -22,10 +21,9 @@ from pagewise.platform.inference.schemas import AsyncRequestEndpoint, ChatComple
 from pagewise.platform.keys.auth import Principal, requires_scope
 from pagewise.platform.requests.schemas import RequestList, RequestOut, request_out, request_page
 from pagewise.platform.requests.store import tenant_requests
-from pagewise.platform.services import PlatformServices
+from pagewise.platform.services import Services
 
-logger = logging.getLogger(__name__)
-PageLimit = Annotated[int, Parameter(ge=1, le=100)]
+PageLimit = Annotated[int, QueryParameter(ge=1, le=100)]
 BodyT = TypeVar("BodyT")
 
 
@@ -36,16 +34,6 @@ def _decode(raw: bytes, kind: type[BodyT]) -> BodyT:
         raise invalid_request(str(error)) from None
     except msgspec.DecodeError as error:
         raise invalid_request(f"Malformed JSON body: {error}") from None
-
-
-async def _run_in_background(job: InferenceJob) -> None:
-    """Run an async request; when this task ends (even cancelled) the request's final row is written."""
-    try:
-        await job.collect()
-    except Exception:
-        logger.exception("async request %s failed", job.id)
-    finally:
-        await job.wait_finished()
 
 
 async def _get_row(session: AsyncSession, tenant_id: str, request_id: str) -> RequestRecord:
@@ -62,7 +50,7 @@ class RequestController(Controller):
 
     @post("/", status_code=202)
     async def submit(
-        self, request: Request[Principal, str, object], services: PlatformServices
+        self, request: Request[Principal, str, object], services: Services
     ) -> RequestOut:
         """Same body as chat or completions plus `endpoint`; returns the queued request at once."""
         raw = await request.body()
@@ -74,9 +62,7 @@ class RequestController(Controller):
         if prepared.stream:
             raise invalid_request("stream is not supported for asynchronous requests", param="stream")
         job = await InferenceJob.admit(services, request.user, prepared)
-        task = services.spawn(_run_in_background(job))
-        services.running[job.id] = task
-        task.add_done_callback(lambda _: services.running.pop(job.id, None))
+        job.start_in_background()
         async with services.sessionmaker() as session:
             return request_out(await _get_row(session, request.user.tenant_id, job.id))
 
@@ -84,8 +70,8 @@ class RequestController(Controller):
     async def list_requests(
         self,
         request: Request[Principal, str, object],
-        db_session: AsyncSession,
-        after: str | None = None,
+        db_session: DbSession,
+        after: FromQuery[str | None] = None,
         limit: PageLimit = 20,
     ) -> RequestList:
         query = tenant_requests(request.user.tenant_id).order_by(RequestRecord.id.desc()).limit(limit + 1)
@@ -95,21 +81,20 @@ class RequestController(Controller):
 
     @get("/{request_id:str}")
     async def get_request(
-        self, request_id: str, request: Request[Principal, str, object], db_session: AsyncSession
+        self, request_id: FromPath[str], request: Request[Principal, str, object], db_session: DbSession
     ) -> RequestOut:
         return request_out(await _get_row(db_session, request.user.tenant_id, request_id))
 
     @delete("/{request_id:str}", status_code=200)
     async def cancel_request(
-        self, request_id: str, request: Request[Principal, str, object], services: PlatformServices
+        self, request_id: FromPath[str], request: Request[Principal, str, object], services: Services
     ) -> RequestOut:
         """Cancel a queued or running request, billing the tokens generated so far; finished ones stay."""
         tenant_id = request.user.tenant_id
         async with services.sessionmaker() as session:
             await _get_row(session, tenant_id, request_id)  # 404 before touching anything
-        task = services.running.get(request_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        job = services.running.get(request_id)
+        if job is not None:
+            await job.cancel()
         async with services.sessionmaker() as session:
             return request_out(await _get_row(session, tenant_id, request_id))

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from litestar import Controller, get, patch, post
-from litestar.di import Provide
-from sqlalchemy.ext.asyncio import AsyncSession
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, JSONBody, SkipValidation
 
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import requires_scope
 from pagewise.platform.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
 from pagewise.platform.tenants.service import TenantService, tenant_out
 
+Tenants = NamedDependency[SkipValidation[TenantService]]
 
-def provide_tenant_service(db_session: AsyncSession) -> TenantService:
+
+def provide_tenant_service(db_session: DbSession) -> TenantService:
     return TenantService(db_session)
 
 
@@ -22,21 +25,23 @@ class TenantController(Controller):
     tags = ["admin"]
 
     @post("/")
-    async def create_tenant(self, data: TenantCreate, tenants: TenantService) -> TenantOut:
+    async def create_tenant(self, data: JSONBody[TenantCreate], tenants: Tenants) -> TenantOut:
         return tenant_out(await tenants.create(data))
 
     @get("/")
-    async def list_tenants(self, tenants: TenantService) -> list[TenantOut]:
+    async def list_tenants(self, tenants: Tenants) -> list[TenantOut]:
         return [tenant_out(t) for t in await tenants.list()]
 
     @get("/{tenant_id:str}")
-    async def get_tenant(self, tenant_id: str, tenants: TenantService) -> TenantOut:
+    async def get_tenant(self, tenant_id: FromPath[str], tenants: Tenants) -> TenantOut:
         return tenant_out(await tenants.get(tenant_id))
 
     @patch("/{tenant_id:str}")
-    async def update_tenant(self, tenant_id: str, data: TenantUpdate, tenants: TenantService) -> TenantOut:
+    async def update_tenant(
+        self, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], tenants: Tenants
+    ) -> TenantOut:
         return tenant_out(await tenants.update(tenant_id, data))
 
     @post("/{tenant_id:str}/suspend", status_code=200)
-    async def suspend_tenant(self, tenant_id: str, tenants: TenantService) -> TenantOut:
+    async def suspend_tenant(self, tenant_id: FromPath[str], tenants: Tenants) -> TenantOut:
         return tenant_out(await tenants.update(tenant_id, TenantUpdate(status="suspended")))

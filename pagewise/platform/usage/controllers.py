@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from litestar import Controller, Request, get
-from sqlalchemy.ext.asyncio import AsyncSession
+from litestar.params import FromQuery
 
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import Principal, requires_scope
 from pagewise.platform.usage.service import BucketWidth, UsagePage, usage_page
 
@@ -22,11 +23,11 @@ class UsageController(Controller):
     async def get_usage(
         self,
         request: Request[Principal, str, object],
-        db_session: AsyncSession,
-        start_time: int | None = None,
-        end_time: int | None = None,
-        bucket_width: BucketWidth = "1d",
-        group_by: list[str] | None = None,
+        db_session: DbSession,
+        start_time: FromQuery[int | None] = None,
+        end_time: FromQuery[int | None] = None,
+        bucket_width: FromQuery[BucketWidth] = "1d",
+        group_by: FromQuery[list[str] | None] = None,
     ) -> UsagePage:
         """Buckets from `start_time` (unix seconds; default a week ago) to `end_time` (default now)."""
         start = start_time if start_time is not None else int(time.time()) - DEFAULT_RANGE_S

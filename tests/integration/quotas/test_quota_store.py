@@ -8,6 +8,8 @@ import pytest
 
 from pagewise.platform.quotas.quota_store import QuotaLimits, QuotaStore
 
+from ..conftest import FROZEN_NOW, QuotaStoreFactory
+
 pytestmark = pytest.mark.anyio
 
 
@@ -59,3 +61,47 @@ async def test_tenants_do_not_share_counters(quota_store: QuotaStore) -> None:
     assert (await quota_store.reserve("a", limits, 1, "a1")).reservation is not None
     assert (await quota_store.reserve("b", limits, 1, "b1")).reservation is not None
     assert (await quota_store.reserve("a", limits, 1, "a2")).rejected_by == "concurrency"
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_an_expired_lease_gives_its_slot_back(quota_store_factory: QuotaStoreFactory) -> None:
+    """A process that reserved and crashed holds its slot only until the lease runs out."""
+    clock = _Clock(FROZEN_NOW)
+    store = quota_store_factory(clock, lease_s=10.0)
+    limits = QuotaLimits(max_concurrent_requests=1, tokens_per_minute=1000)
+    crashed = (await store.reserve("t", limits, 40, "crashed")).reservation
+    assert crashed is not None
+    clock.now += 9.9
+    assert (await store.reserve("t", limits, 1, "early")).rejected_by == "concurrency"
+    clock.now += 0.2  # past the lease
+    assert (await store.usage("t")).concurrent == 0
+    later = await store.reserve("t", limits, 1, "later")
+    assert later.reservation is not None and later.usage.concurrent == 1
+    assert await store.reconcile(crashed, 0) is False  # too late: nothing to release, tokens stay counted
+    usage = await store.usage("t")
+    assert (usage.concurrent, usage.outstanding, usage.tokens_this_minute) == (1, 1, 41)
+    assert await store.reconcile(later.reservation, 1) is True
+    assert (await store.usage("t")).concurrent == 0
+
+
+async def test_renew_extends_a_live_lease_only(quota_store_factory: QuotaStoreFactory) -> None:
+    clock = _Clock(FROZEN_NOW)
+    store = quota_store_factory(clock, lease_s=10.0)
+    limits = QuotaLimits(max_concurrent_requests=1)
+    held = (await store.reserve("t", limits, 1, "held")).reservation
+    assert held is not None
+    clock.now += 8
+    assert await store.renew(held) is True
+    clock.now += 8  # 16 s after reserving, 8 s after renewing: still held
+    assert (await store.reserve("t", limits, 1, "other")).rejected_by == "concurrency"
+    clock.now += 3  # the renewed lease ran out
+    assert await store.renew(held) is False
+    assert (await store.reserve("t", limits, 1, "other")).reservation is not None
+    assert await store.reconcile(held, 1) is False

@@ -1,0 +1,500 @@
+"""``pagewise bench serving``: concurrent streaming clients against the API, like vLLM's serving benchmark.
+
+Without ``--url`` it starts the real server itself (``pagewise serve`` on a free port with a temporary SQLite
+database), reads the admin key the first start prints, and creates a tenant and an inference key through the
+admin API. With ``--url`` it drives a running server with ``--api-key`` (or creates a tenant and a key with
+``--admin-key``).
+
+Two phases:
+
+1. Load: ``--num-requests`` streamed ``/v1/chat/completions`` requests (greedy, ``ignore_eos`` so every request
+   produces exactly ``--max-tokens`` tokens), at most ``--concurrency`` in flight. Reports request and output
+   token throughput and TTFT / TPOT / ITL / end-to-end latency percentiles, measured by the client:
+   TTFT = first content chunk; TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between content
+   chunks.
+2. Platform overhead: ``--overhead-requests`` pairs of the same ``max_tokens=1`` chat request, one at a time,
+   sent through the API (non-streamed) and straight to an in-process ``AsyncLLMEngine`` with the same model
+   and configuration in this process, alternating. The overhead of a pair is the difference of the two wall
+   times (HTTP, auth, quota, persistence, rendering); p50 and p99 over the pairs.
+
+With ``--json`` stdout is one JSON object; progress always goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_NUM_REQUESTS = 32
+DEFAULT_CONCURRENCY = 8
+DEFAULT_MAX_TOKENS = 32
+DEFAULT_OVERHEAD_REQUESTS = 40
+DEFAULT_MAX_MODEL_LEN = 1024
+SERVER_START_TIMEOUT_S = 300
+_ADMIN_KEY = re.compile(r"pw_[0-9a-f]{12}_\S+")
+_TOPICS = (
+    "paged attention",
+    "continuous batching",
+    "prefix caching",
+    "copy-on-write",
+    "the KV cache",
+    "token sampling",
+    "rate limiting",
+    "multi-tenancy",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``serving`` to the ``pagewise bench`` subcommands."""
+    from pagewise.engine.loader import DEFAULT_MODEL
+
+    parser = subparsers.add_parser(
+        "serving", help="streaming clients against the API: throughput, latency, platform overhead"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--url", help="a running server (default: start one on a free port)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEWISE_API_KEY"), help="inference key for --url")
+    parser.add_argument("--admin-key", help="with --url and no --api-key: create a tenant and a key with this")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS)
+    parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=DEFAULT_OVERHEAD_REQUESTS,
+        help="max_tokens=1 pairs (API vs in-process engine); 0 skips the overhead phase",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help="for the server this starts and the engine"
+    )
+    parser.set_defaults(func=run)
+
+
+# ---- results
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), `q` in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _summary(name: str, seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    out = {f"{name}_mean_ms": statistics.fmean(ms) if ms else math.nan}
+    out.update({f"{name}_p{q}_ms": percentile(ms, q) for q in (50, 90, 99)})
+    return out
+
+
+# ---- progress (stderr)
+
+
+class Progress:
+    """`label: done/total` on stderr: rewritten in place on a terminal, every quarter otherwise."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self._tty = sys.stderr.isatty()
+        self._start = time.perf_counter()
+        self._next_line = 0
+
+    def advance(self) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self._start
+        line = f"{self.label}: {self.done}/{self.total} ({elapsed:.1f} s)"
+        if self._tty:
+            print(f"\r{line}", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
+        elif self.done >= self._next_line or self.done == self.total:
+            print(line, file=sys.stderr, flush=True)
+            self._next_line = self.done + max(1, self.total // 4)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def local_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
+    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key)."""
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
+        port = _free_port()
+        env = {**os.environ, "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"}
+        env.pop("PAGEWISE_REDIS_URL", None)
+        command = [
+            sys.executable,
+            "-m",
+            "pagewise.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--max-model-len",
+            str(max_model_len),
+            "--log-level",
+            "warning",
+        ]
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("w") as server_log:
+            process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not ready in {SERVER_START_TIMEOUT_S} s")
+                try:
+                    if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+            match = _ADMIN_KEY.search(log_path.read_text())
+            if match is None:
+                raise RuntimeError(f"the server printed no admin key:\n{log_path.read_text()}")
+            yield base, match.group(0)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def create_inference_key(base: str, admin_key: str) -> str:
+    """A fresh tenant with no limits and an inference key for it, through the admin API."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    name = f"bench-{int(time.time() * 1000)}"
+    tenant = httpx.post(f"{base}/admin/tenants", json={"name": name}, headers=admin, timeout=30)
+    tenant.raise_for_status()
+    key = httpx.post(f"{base}/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=admin, timeout=30)
+    key.raise_for_status()
+    return key.json()["key"]
+
+
+# ---- load phase
+
+
+def _messages(i: int, tag: str) -> list[dict[str, str]]:
+    topic = _TOPICS[i % len(_TOPICS)]
+    return [{"role": "user", "content": f"[{tag} {i}] Explain {topic} to a new engineer, step by step."}]
+
+
+async def stream_one(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int) -> RequestResult:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    result = RequestResult(ok=False)
+    chunks = 0
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    result.error = event["error"].get("message", "error event")
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    now = time.perf_counter()
+                    chunks += 1
+                    if first is None:
+                        first = now
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except Exception as error:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    end = time.perf_counter()
+    if first is None:
+        result.error = "no content"
+        return result
+    result.ok, result.ttft, result.e2e = True, first - start, end - start
+    result.output_tokens = result.output_tokens or chunks
+    return result
+
+
+async def run_load(base: str, key: str, model: str, num: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600, limits=limits) as client:
+        warm = await stream_one(client, model, _messages(0, "warm-up"), 2)
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        progress = Progress(f"load ({concurrency} concurrent, {max_tokens} tokens each)", num)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> RequestResult:
+            async with gate:
+                result = await stream_one(client, model, _messages(i, "load"), max_tokens)
+            progress.advance()
+            return result
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(num)))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        log(f"{len(failed)} requests failed; first error: {failed[0].error}")
+    output_tokens = sum(r.output_tokens for r in ok)
+    summary: dict[str, Any] = {
+        "num_requests": num,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "completed": len(ok),
+        "failed": len(failed),
+        "duration_s": duration,
+        "request_throughput_per_s": len(ok) / duration,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / duration,
+    }
+    summary.update(_summary("ttft", [r.ttft for r in ok]))
+    summary.update(_summary("tpot", [r.tpot for r in ok if r.tpot is not None]))
+    summary.update(_summary("itl", [gap for r in ok for gap in r.itl]))
+    summary.update(_summary("e2e", [r.e2e for r in ok]))
+    return summary
+
+
+# ---- overhead phase
+
+
+class _EngineOnItsLoop:
+    """An in-process ``AsyncLLMEngine`` used from a private event loop thread (the bench's own loop stays free
+    for the HTTP client, and neither side's timing includes the other's scheduling)."""
+
+    def __init__(self, model: str, max_model_len: int) -> None:
+        from pagewise.engine.async_engine import AsyncLLMEngine
+        from pagewise.engine.config import EngineConfig
+
+        self.engine = AsyncLLMEngine(EngineConfig(model=model, max_model_len=max_model_len), progress=False)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-engine-loop", daemon=True)
+        self._thread.start()
+
+    def generate_seconds(self, prompt: list[int], request_id: str) -> float:
+        """Wall time of one ``max_tokens=1`` greedy request, measured on the engine's loop."""
+        from pagewise.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        async def timed() -> float:
+            start = time.perf_counter()
+            async for _ in self.engine.generate(prompt, params, request_id=request_id):
+                pass
+            return time.perf_counter() - start
+
+        return asyncio.run_coroutine_threadsafe(timed(), self.loop).result()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+async def run_overhead(base: str, key: str, model: str, engine: _EngineOnItsLoop, pairs: int) -> dict[str, Any]:
+    import httpx
+
+    tokenizer = engine.engine.tokenizer
+    headers = {"Authorization": f"Bearer {key}"}
+    progress = Progress("overhead (API vs in-process engine, max_tokens=1)", pairs)
+    api_s: list[float] = []
+    direct_s: list[float] = []
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
+
+        async def through_api(messages: list[dict[str, str]]) -> float:
+            body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            response = await client.post("/v1/chat/completions", json=body)
+            elapsed = time.perf_counter() - start
+            if response.status_code != 200:
+                raise RuntimeError(f"overhead request failed: HTTP {response.status_code} {response.text[:200]}")
+            return elapsed
+
+        def direct(messages: list[dict[str, str]], request_id: str) -> float:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return engine.generate_seconds(prompt, request_id)
+
+        for i in range(2):  # warm both paths (connection, caches of the shared chat-template prefix)
+            await through_api(_messages(i, "overhead warm-up"))
+            await asyncio.to_thread(direct, _messages(i, "overhead warm-up"), f"warm-{i}")
+        for i in range(pairs):
+            messages = _messages(i, "overhead")  # a prompt new to both engines, identical for both
+            if i % 2 == 0:
+                api_s.append(await through_api(messages))
+                direct_s.append(await asyncio.to_thread(direct, messages, f"overhead-{i}"))
+            else:
+                direct_s.append(await asyncio.to_thread(direct, messages, f"overhead-{i}"))
+                api_s.append(await through_api(messages))
+            progress.advance()
+    diffs_ms = [(a - d) * 1000 for a, d in zip(api_s, direct_s, strict=True)]
+    return {
+        "overhead_requests": pairs,
+        "overhead_p50_ms": percentile(diffs_ms, 50),
+        "overhead_p99_ms": percentile(diffs_ms, 99),
+        "overhead_mean_ms": statistics.fmean(diffs_ms),
+        "api_max_tokens_1_p50_ms": percentile([s * 1000 for s in api_s], 50),
+        "engine_max_tokens_1_p50_ms": percentile([s * 1000 for s in direct_s], 50),
+    }
+
+
+# ---- the command
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("num_requests", "concurrency", "max_tokens"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.overhead_requests < 0:
+        print("error: --overhead-requests must not be negative", file=sys.stderr)
+        return 2
+    if args.url and not (args.api_key or args.admin_key):
+        print("error: --url needs --api-key (or PAGEWISE_API_KEY) or --admin-key", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    engine: _EngineOnItsLoop | None = None
+    if args.overhead_requests:
+        # Built on the main thread before the server starts: an engine built on another thread ran its
+        # requests several times slower here (torch's intra-op threads), which would inflate the baseline.
+        log(f"loading {args.model} in this process (the overhead baseline)")
+        engine = _EngineOnItsLoop(args.model, args.max_model_len)
+    try:
+        with _server(args) as (base, key):
+            model = _served_model(base, key, args.model)
+            load = asyncio.run(run_load(base, key, model, args.num_requests, args.concurrency, args.max_tokens))
+            result: dict[str, Any] = {"url": args.url or "local", "model": model, **load}
+            if engine is not None:
+                result.update(asyncio.run(run_overhead(base, key, model, engine, args.overhead_requests)))
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if engine is not None:
+            engine.close()
+    result["bench_seconds"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_table(result)
+    return 0 if result["failed"] == 0 else 1
+
+
+@contextmanager
+def _server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(base URL, inference key): the given server, or one started here."""
+    if args.url:
+        base = args.url.rstrip("/")
+        yield base, args.api_key or create_inference_key(base, args.admin_key)
+        return
+    log(f"starting pagewise serve ({args.model}, max_model_len {args.max_model_len})")
+    with local_server(args.model, args.max_model_len) as (base, admin_key):
+        log(f"server ready at {base}")
+        yield base, create_inference_key(base, admin_key)
+
+
+def _served_model(base: str, key: str, wanted: str) -> str:
+    import httpx
+
+    response = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    served = [m["id"] for m in response.json()["data"]]
+    if wanted not in served:
+        log(f"the server serves {served}, not {wanted}: using {served[0]}")
+        return served[0]
+    return wanted
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    rows = [
+        ("requests completed / failed", f"{result['completed']} / {result['failed']}"),
+        ("concurrency, max_tokens", f"{result['concurrency']}, {result['max_tokens']}"),
+        ("duration", f"{result['duration_s']:.2f} s"),
+        ("request throughput", f"{result['request_throughput_per_s']:.2f} req/s"),
+        ("output token throughput", f"{result['output_tokens_per_s']:.1f} tok/s"),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        values = ", ".join(f"p{q} {result[f'{name}_p{q}_ms']:.1f}" for q in (50, 90, 99))
+        rows.append((f"{name.upper()} (ms)", f"mean {result[f'{name}_mean_ms']:.1f}, {values}"))
+    if "overhead_p50_ms" in result:
+        rows.append(
+            (
+                "platform overhead (ms)",
+                f"p50 {result['overhead_p50_ms']:.2f}, p99 {result['overhead_p99_ms']:.2f} "
+                f"(API {result['api_max_tokens_1_p50_ms']:.1f} vs engine {result['engine_max_tokens_1_p50_ms']:.1f}"
+                f" p50, {result['overhead_requests']} pairs)",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    print(f"serving benchmark: {result['model']} at {result['url']}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")

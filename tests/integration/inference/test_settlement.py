@@ -1,0 +1,215 @@
+"""Every way a request can end settles its quota reservation exactly once and leaves its row terminal.
+
+Paths: the client hangs up before the first chunk, the engine fails, the engine rejects the request after
+admission, an async request is cancelled before its task ever ran, an engine-side abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from litestar.types import Message
+from sqlalchemy import select
+
+from pagewise.platform.db.models import ApiKey, RequestRecord
+from pagewise.platform.engine_client import GenerationDelta, InProcessEngineClient
+from pagewise.platform.inference.job import InferenceJob
+from pagewise.platform.inference.prompts import prepare_completion
+from pagewise.platform.inference.schemas import CompletionRequest
+from pagewise.platform.keys.auth import Principal
+from pagewise.platform.quotas.quota_store import QuotaLimits
+
+from ..harness import MODEL, Platform, bearer
+
+pytestmark = pytest.mark.anyio
+
+
+def _scope(path: str, key: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("test", 80),
+    }
+
+
+async def _rows(platform: Platform, tenant_id: str) -> list[RequestRecord]:
+    async with platform.services.sessionmaker() as session:
+        query = select(RequestRecord).where(RequestRecord.tenant_id == tenant_id)
+        return list((await session.scalars(query)).all())
+
+
+async def _assert_settled(platform: Platform, tenant_id: str, status: str) -> RequestRecord:
+    quota = await platform.services.quotas.usage(tenant_id)
+    assert (quota.concurrent, quota.outstanding) == (0, 0)
+    [row] = await _rows(platform, tenant_id)
+    assert row.status == status, (row.status, row.error)
+    assert row.finished_at is not None
+    assert quota.tokens_this_minute == row.prompt_tokens + row.completion_tokens
+    return row
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_disconnect_before_first_chunk_releases_the_slot(platform: Platform, path: str) -> None:
+    tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 50, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = "Tell me a story."
+    else:
+        body["messages"] = [{"role": "user", "content": "Tell me a story."}]
+    sent: list[Message] = []
+    received = {"body": False}
+
+    async def receive() -> Message:
+        if not received["body"]:
+            received["body"] = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        return {"type": "http.disconnect"}  # gone at once: before the stream yields anything
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(platform.app(_scope(path, key), receive, send), timeout=120)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    row = await _assert_settled(platform, tenant["id"], "cancelled")
+    assert row.completion_tokens == 0
+    # the slot is free again: a second request is admitted
+    again = {**body, "stream": False, "max_tokens": 1}
+    response = await platform.http.post(path, json=again, headers=bearer(key))
+    assert response.status_code == 200, response.text
+
+
+class _FailingEngine:
+    """The real engine client, except that generation fails: at once, or after the first delta."""
+
+    def __init__(self, inner: InProcessEngineClient, *, after_first: bool) -> None:
+        self._inner = inner
+        self._after_first = after_first
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, prompt: list[int], params: Any, request_id: str, tenant_id: str) -> AsyncIterator[
+        GenerationDelta
+    ]:
+        if self._after_first:
+            async for delta in self._inner.generate(prompt, params, request_id, tenant_id):
+                yield delta
+                break
+        raise RuntimeError("engine exploded")
+
+
+@pytest.mark.parametrize("after_first", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_failure_settles_and_fails_the_row(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch, after_first: bool, stream: bool
+) -> None:
+    tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
+    monkeypatch.setattr(
+        platform.services, "engine", _FailingEngine(platform.services.engine, after_first=after_first)
+    )
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": stream}
+    response = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
+    if stream:
+        assert response.status_code == 200  # the headers went out before the failure
+        events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+    else:
+        assert response.status_code == 500
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    row = await _assert_settled(platform, tenant["id"], "failed")
+    assert "engine exploded" in (row.error or "")
+
+
+class _RejectingEngine(_FailingEngine):
+    """Validation that passes at admission but fails in the engine (e.g. the engine changed in between)."""
+
+    async def generate(self, prompt: list[int], params: Any, request_id: str, tenant_id: str) -> AsyncIterator[
+        GenerationDelta
+    ]:
+        from pagewise.engine.errors import InvalidRequestError
+
+        raise InvalidRequestError("rejected by the engine")
+        yield  # pragma: no cover
+
+
+async def test_engine_validation_failure_after_reservation(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant, key = await platform.tenant_with_key()
+    monkeypatch.setattr(platform.services, "engine", _RejectingEngine(platform.services.engine, after_first=False))
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
+    response = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == "rejected by the engine"
+    await _assert_settled(platform, tenant["id"], "failed")
+
+
+async def test_async_request_cancelled_before_it_ran(platform: Platform) -> None:
+    tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
+    async with platform.services.sessionmaker() as session:
+        key_id = await session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == tenant["id"]))
+    principal = Principal(
+        key_id=key_id,
+        tenant_id=tenant["id"],
+        tenant_name=tenant["name"],
+        scopes=("inference",),
+        limits=QuotaLimits(max_concurrent_requests=1),
+        max_tokens_per_request=None,
+        max_n=None,
+    )
+    prepared = prepare_completion(
+        CompletionRequest(model=MODEL, prompt="Hello", max_tokens=4), principal, platform.services.engine
+    )
+    job = await InferenceJob.admit(platform.services, principal, prepared)
+    job.start_in_background()
+    await job.cancel()  # before the task's first step: its body never runs
+    assert job.id not in platform.services.running
+    row = await _assert_settled(platform, tenant["id"], "cancelled")
+    assert row.completion_tokens == 0
+
+
+async def test_engine_side_abort_ends_cancelled(platform: Platform) -> None:
+    """An abort from the engine's side (not the client's) ends the stream normally, the row `cancelled`."""
+    tenant, key = await platform.tenant_with_key()
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events: list[bytes] = []
+    done = asyncio.Event()
+
+    async def receive() -> Message:
+        if not events:
+            events.append(b"")
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] != "http.response.body":
+            return
+        if not message.get("more_body"):
+            done.set()
+        if message.get("body", b"").startswith(b"data: {"):
+            events.append(message["body"])
+            if len(events) == 3:  # two text deltas in: abort on the engine's side
+                request_id = json.loads(message["body"].removeprefix(b"data: "))["id"]
+                await platform.services.engine.abort(f"{request_id}-0")
+
+    await asyncio.wait_for(platform.app(_scope("/v1/completions", key), receive, send), timeout=120)
+    last = json.loads(events[-1].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == "abort"
+    row = await _assert_settled(platform, tenant["id"], "cancelled")
+    assert 1 <= row.completion_tokens < 200
