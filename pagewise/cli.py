@@ -8,47 +8,34 @@ from collections.abc import Sequence
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags with vLLM's names; defaults come from ``EngineConfig``."""
-    from pagewise.engine.loader import DEFAULT_MODEL
-
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--swap-space-bytes", type=int, default=1024**3)
-    group.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    group.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    group.add_argument("--device", default="cpu")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--cache-dir", default=None, help="where converted weights are cached")
+    """Engine flags with vLLM's names. Every default is None ("not given"), so ``EngineConfig``'s defaults —
+    or, for the server, ``PAGEWISE_*`` environment variables — apply unless a flag is passed."""
+    group = parser.add_argument_group("engine (defaults: see EngineConfig)")
+    group.add_argument("--model", help="model name, HF directory or .gguf file (default: smollm2-135m-instruct)")
+    group.add_argument("--block-size", type=int)
+    group.add_argument("--max-num-seqs", type=int)
+    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--max-model-len", type=int)
+    group.add_argument("--kv-cache-memory-bytes", type=int)
+    group.add_argument("--gpu-memory-utilization", type=float)
+    group.add_argument("--swap-space-bytes", type=int)
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
+    group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    group.add_argument("--device", help="cpu or cuda[:N]")
+    group.add_argument("--seed", type=int)
+    group.add_argument("--cache-dir", help="where converted weights are cached")
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """An ``EngineConfig`` from the flags that were given (validated on construction)."""
+    from dataclasses import fields
+
     from pagewise.engine.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space_bytes=args.swap_space_bytes,
-        preemption_mode=args.preemption_mode,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-    )
+    given = {f.name: getattr(args, f.name, None) for f in fields(EngineConfig)}
+    return EngineConfig(**{name: value for name, value in given.items() if value is not None})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -60,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         llm = LLM.from_config(config)
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=config.seed
         )
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -90,7 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _register_optional(
-        bench, ["pagewise.bench.throughput", "pagewise.bench.kernels", "pagewise.bench.serving"]
+        bench,
+        [
+            "pagewise.bench.throughput",
+            "pagewise.bench.prefix",
+            "pagewise.bench.capacity",
+            "pagewise.bench.parallel_sampling",
+            "pagewise.bench.kernels",
+            "pagewise.bench.serving",
+        ],
     )
     _register_optional(commands, ["pagewise.platform.cli"])
     return parser

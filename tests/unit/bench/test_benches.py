@@ -1,0 +1,58 @@
+"""Smoke tests: each KV benchmark runs end to end in ``--quick`` mode on a tiny random model, prints one JSON
+object with its keys, and its target holds in the direction that does not depend on timing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagewise.bench import capacity, parallel_sampling, prefix
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_model) -> str:
+    path, _ = tiny_model("bench-llama")
+    return str(path)
+
+
+def _run(module, name: str, model: str, capsys) -> dict:
+    parser = argparse.ArgumentParser()
+    module.register(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args([name, "--quick", "--json", "--model", model])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    return json.loads(out[0])
+
+
+def test_prefix(tiny_path, capsys):
+    result = _run(prefix, "prefix", tiny_path, capsys)
+    for key in ("ttft_cold_s", "ttft_warm_s", "ttft_cross_tenant_s", "ttft_ratio", "cross_tenant_ttft_ratio",
+                "num_cached_tokens_cold", "num_cached_tokens_warm", "num_cached_tokens_cross_tenant"):
+        assert key in result
+    # The shared system prompt's full blocks are reused by the same tenant, never by another one.
+    assert all(c == 0 for c in result["num_cached_tokens_cold"])
+    assert all(c > 0 for c in result["num_cached_tokens_warm"])
+    full_blocks = result["system_prompt_tokens"] // result["block_size"] * result["block_size"]
+    assert all(c == full_blocks for c in result["num_cached_tokens_warm"])
+    assert all(c == 0 for c in result["num_cached_tokens_cross_tenant"])
+    assert result["ttft_ratio"] > 0 and result["cross_tenant_ttft_ratio"] > 0
+
+
+def test_capacity(tiny_path, capsys):
+    result = _run(capacity, "capacity", tiny_path, capsys)
+    for key in ("kv_cache_memory_bytes", "kv_budget_tokens", "static_concurrent", "paged_running_peak",
+                "paged_running_sustained_min", "ratio"):
+        assert key in result
+    assert result["static_concurrent"] == result["kv_budget_tokens"] // result["max_model_len"] >= 1
+    assert result["ratio"] > 1
+
+
+def test_parallel_sampling(tiny_path, capsys):
+    result = _run(parallel_sampling, "parallel-sampling", tiny_path, capsys)
+    for key in ("parallel_peak_blocks", "independent_peak_blocks", "block_ratio", "prompt_blocks"):
+        assert key in result
+    assert result["independent_peak_blocks"] >= result["n"] * result["prompt_blocks"]
+    assert result["block_ratio"] < 0.5
