@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagewise.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagewise.engine.beam_search import beam_search as _beam_search
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import InvalidRequestError
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
@@ -67,6 +69,19 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, tenant_id, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        tenant_id: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (HF transformers' ``num_beams`` semantics; see
+        ``pagewise.engine.beam_search``); one ``BeamSearchOutput`` per prompt, in input order, each with
+        ``beam_width`` finished sequences best first. Runs on top of the engine: every step submits each live
+        beam as a one-token request, and the prefix cache keeps each shared full block of KV once."""
+        batch = _as_batch(prompts)
+        return _beam_search(self.engine, batch, params, tenant_id, lambda: f"llm-beam-{next(self._ids)}")
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
