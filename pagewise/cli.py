@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagewise.bench import capacity, kernels, parallel_sampling, prefix, serving, throughput
+from pagewise.platform import cli as platform_cli
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags with vLLM's names. Every default is None ("not given"), so ``EngineConfig``'s defaults —
@@ -76,32 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    _register_optional(
-        bench,
-        [
-            "pagewise.bench.throughput",
-            "pagewise.bench.prefix",
-            "pagewise.bench.capacity",
-            "pagewise.bench.parallel_sampling",
-            "pagewise.bench.kernels",
-            "pagewise.bench.serving",
-        ],
-    )
-    _register_optional(commands, ["pagewise.platform.cli"])
+    for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving):
+        module.register(bench)
+    platform_cli.register(commands)
     return parser
-
-
-def _register_optional(subparsers, modules: list[str]) -> None:
-    import importlib
-
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name and name.startswith(error.name):
-                continue
-            raise
-        module.register(subparsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
