@@ -17,7 +17,8 @@ class EngineConfig:
     """Everything that shapes an engine. ``None`` means "derive it": see ``resolve``.
 
     - ``max_model_len``: longest prompt + output; defaults to the model's context length, capped at 8,192.
-    - ``max_num_batched_tokens``: the per-step token budget; ``None`` = ``max(2,048, max_model_len)``.
+    - ``max_num_batched_tokens``: the per-step token budget; ``None`` = 2,048 with chunked prefill (long prompts
+      are split across steps), else ``max(2,048, max_model_len)``.
     - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU, ``gpu_memory_utilization`` of
       the free device memory on CUDA.
     """
@@ -87,7 +88,7 @@ class EngineConfig:
                     f"({max_model_len:,}); enable chunked prefill or raise the budget"
                 )
             return self.max_num_batched_tokens
-        return max(2048, max_model_len)
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
     def resolve_kv_cache_bytes(self) -> int:
         if self.kv_cache_memory_bytes is not None:

@@ -126,7 +126,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +138,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden.add_(self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):
