@@ -14,7 +14,7 @@ from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, Prom
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.loader import load_model
 from pagewise.engine.model_runner import KVCache, ModelRunner
-from pagewise.engine.models.llama import LlamaForCausalLM
+from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
 from pagewise.engine.outputs import CompletionOutput, RequestOutput
 from pagewise.engine.request import Request
 from pagewise.engine.sampler import Sampler, SampleResult
@@ -83,7 +83,8 @@ class LLMEngine:
                 f"{arch.num_layers} layers needs {per_block:,} bytes"
             )
         num_swap = config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0
-        model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
+        with skip_weight_init():
+            model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
         model.load_hf_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()

@@ -7,6 +7,8 @@ SiLU-gated MLP. Q/K/V and gate/up projections are fused into single matmuls.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -217,3 +219,15 @@ class LlamaForCausalLM(nn.Module):
         }
         if missing:
             raise ValueError(f"weights missing for: {sorted(missing)[:5]}")
+
+
+@contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Build modules without their random initialisation (a second for a 135M model); every weight must be
+    loaded afterwards — ``LlamaForCausalLM.load_hf_weights`` raises if any is missing."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
