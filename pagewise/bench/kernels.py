@@ -335,27 +335,11 @@ def write_random_llama(path: Path, config: dict[str, Any], device: torch.device)
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, hidden),
-        "model.norm.weight": (hidden,),
-        "lm_head.weight": (vocab, hidden),
-    }
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
+    from pagewise.engine.loader import expected_weight_shapes
+    from pagewise.engine.model_config import ModelArchConfig
+
+    vocab = config["vocab_size"]
+    shapes = expected_weight_shapes(ModelArchConfig.from_hf_config(config))
     gen = torch.Generator(device=device).manual_seed(0)
     tensors = {}
     for name, shape in shapes.items():
