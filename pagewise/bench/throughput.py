@@ -12,8 +12,12 @@ import json
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagewise import LLM
 
 
 @dataclass(slots=True)
@@ -44,10 +48,9 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def run_engine(model: str, workload: Workload, max_num_seqs: int) -> dict[str, float]:
-    from pagewise import LLM, SamplingParams
+def run_engine(llm: LLM, workload: Workload) -> dict[str, float]:
+    from pagewise import SamplingParams
 
-    llm = LLM(model, max_num_seqs=max_num_seqs, progress=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=True)
@@ -114,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
         num, prompt_range, output_range, batch_sizes = 8, (32, 128), (8, 32), [8]
     else:
         num, prompt_range, output_range, batch_sizes = 64, (32, 512), (16, 256), [8, 16, 32]
-    from pagewise.engine.loader import load_model
+    from pagewise import LLM
 
-    vocab = load_model(args.model, progress=False).arch.vocab_size
-    workload = make_workload(num, prompt_range, output_range, vocab, seed=args.seed)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, progress=False)
+    workload = make_workload(num, prompt_range, output_range, llm.engine.arch.vocab_size, seed=args.seed)
     print(
         f"workload: {num} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
         f"output tokens; torch threads {torch.get_num_threads()}",
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         "num_prompt_tokens": workload.num_prompt_tokens,
         "num_output_tokens": workload.num_output_tokens,
     }
-    result.update(run_engine(args.model, workload, args.max_num_seqs))
+    result.update(run_engine(llm, workload))
     print(f"engine: {result['engine_tokens_per_s']:.1f} output tok/s", flush=True)
     if not args.skip_hf:
         hf_model = load_hf_model(args.model)

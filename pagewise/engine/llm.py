@@ -47,12 +47,12 @@ class LLM:
         ids. All prompts are validated before any is queued, so a bad one leaves the engine untouched."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        for prompt, p in zip(batch, params, strict=True):
-            self.engine.process_prompt(prompt, p)
+        token_ids = [self.engine.process_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         try:
-            for request_id, prompt, p in zip(ids, batch, params, strict=True):
-                self.engine.add_request(request_id, prompt, p, tenant_id)
+            for request_id, prompt, tokens, p in zip(ids, batch, token_ids, params, strict=True):
+                text = prompt if isinstance(prompt, str) else None
+                self.engine.add_request(request_id, tokens, p, tenant_id, prompt_text=text)
             return self._run(ids, use_tqdm)
         finally:
             for request_id in ids:

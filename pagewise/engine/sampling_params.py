@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagewise.engine.errors import InvalidRequestError
 
@@ -80,19 +80,4 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the ``index``-th of ``n`` samples: ``n = 1`` and a distinct seed."""
-        return SamplingParams(
-            n=1,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + index,
-            max_tokens=self.max_tokens,
-            stop=list(self.stop_strings) or None,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)

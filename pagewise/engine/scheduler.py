@@ -98,7 +98,7 @@ class Scheduler:
         while i < len(self.running) and self._budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
-            if num_new <= 0 or request in out.scheduled:
+            if num_new <= 0:  # a sample forked in this very step
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
