@@ -1,23 +1,26 @@
 """``pagewise bench serving``: concurrent streaming clients against the API, like vLLM's serving benchmark.
 
 Without ``--url`` it starts the real server itself (``pagewise serve`` on a free port with a temporary SQLite
-database), reads the admin key the first start prints, and creates a tenant and an inference key through the
-admin API. With ``--url`` it drives a running server with ``--api-key`` (or creates a tenant and a key with
-``--admin-key``).
+database and a bootstrap admin key it generates and hands over in ``PAGEWISE_ADMIN_KEY``), waits for ``/ready``,
+and creates a tenant and an inference key through the admin API. With ``--url`` it drives a running server with
+``--api-key`` (or creates a tenant and a key with ``--admin-key``).
 
 Two phases:
 
-1. Load: ``--num-requests`` streamed ``/v1/chat/completions`` requests (greedy, ``ignore_eos`` so every request
-   produces exactly ``--max-tokens`` tokens), at most ``--concurrency`` in flight. Reports request and output
-   token throughput and TTFT / TPOT / ITL / end-to-end latency percentiles, measured by the client:
-   TTFT = first content chunk; TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between content
-   chunks.
+1. Load: ``--concurrency`` clients each send streamed ``/v1/chat/completions`` requests back to back (greedy,
+   ``ignore_eos`` so every request produces exactly ``--max-tokens`` tokens): ``--num-requests`` in all, or with
+   ``--duration`` (closed loop) until the deadline, the requests in flight then finishing and counting. Reports
+   request and output token throughput and TTFT / TPOT / ITL / end-to-end latency percentiles, measured by the
+   client: TTFT = first content chunk; TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between
+   content chunks. A non-200 answer, an SSE error event, a transport error or a stream without ``[DONE]`` is
+   counted as an error (``num_errors``, the first messages in ``errors``) and the run goes on.
 2. Platform overhead: ``--overhead-requests`` pairs of the same ``max_tokens=1`` chat request, one at a time,
    sent through the API (non-streamed) and straight to an in-process ``AsyncLLMEngine`` with the same model
    and configuration in this process, alternating. The overhead of a pair is the difference of the two wall
    times (HTTP, auth, quota, persistence, rendering); p50 and p99 over the pairs.
 
-With ``--json`` stdout is one JSON object; progress always goes to stderr.
+With ``--json`` stdout is one JSON object; progress always goes to stderr (every 5 s during the load). The
+exit status is 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -35,11 +37,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from pagewise.bench._common import progress as log
 
 DEFAULT_NUM_REQUESTS = 32
 DEFAULT_CONCURRENCY = 8
@@ -47,7 +52,8 @@ DEFAULT_MAX_TOKENS = 32
 DEFAULT_OVERHEAD_REQUESTS = 40
 DEFAULT_MAX_MODEL_LEN = 1024
 SERVER_START_TIMEOUT_S = 300
-_ADMIN_KEY = re.compile(r"pw_[0-9a-f]{12}_\S+")
+PROGRESS_INTERVAL_S = 5.0
+MAX_ERROR_MESSAGES = 5
 _TOPICS = (
     "paged attention",
     "continuous batching",
@@ -72,7 +78,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PAGEWISE_API_KEY"), help="inference key for --url")
     parser.add_argument("--admin-key", help="with --url and no --api-key: create a tenant and a key with this")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS)
+    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="without --duration")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="closed loop: each client sends requests back to back until then (default: --num-requests in all)",
+    )
     parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument(
@@ -91,13 +103,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 @dataclass(slots=True)
+class LoadPlan:
+    """The load phase: `num_requests` requests in all, or with `duration_s` as many as the clients send by then."""
+
+    concurrency: int
+    max_tokens: int
+    num_requests: int
+    duration_s: float | None = None
+
+
+@dataclass(slots=True)
 class RequestResult:
-    ok: bool
+    """One load request as the client saw it (seconds); `error` is set, and nothing else, when it failed."""
+
     ttft: float = 0.0
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
 
     @property
     def tpot(self) -> float | None:
@@ -144,10 +171,6 @@ class Progress:
             self._next_line = self.done + max(1, self.total // 4)
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # ---- the server
 
 
@@ -159,12 +182,20 @@ def _free_port() -> int:
 
 @contextmanager
 def local_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
-    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key)."""
-    import httpx
+    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key).
 
+    The admin key is generated here and given to the server's first start in ``PAGEWISE_ADMIN_KEY``.
+    """
+    from pagewise.platform.keys.key_format import generate_key
+
+    admin_key = generate_key().key
     with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
         port = _free_port()
-        env = {**os.environ, "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"}
+        env = {
+            **os.environ,
+            "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}",
+            "PAGEWISE_ADMIN_KEY": admin_key,
+        }
         env.pop("PAGEWISE_REDIS_URL", None)
         command = [
             sys.executable,
@@ -185,22 +216,8 @@ def local_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
             process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready in {SERVER_START_TIMEOUT_S} s")
-                try:
-                    if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
-            match = _ADMIN_KEY.search(log_path.read_text())
-            if match is None:
-                raise RuntimeError(f"the server printed no admin key:\n{log_path.read_text()}")
-            yield base, match.group(0)
+            _wait_ready(base, process, log_path)
+            yield base, admin_key
         finally:
             process.terminate()
             try:
@@ -208,6 +225,24 @@ def local_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_ready(base: str, process: subprocess.Popen, log_path: Path) -> None:
+    """Poll ``/ready`` until it answers 200; `RuntimeError` (with the server's output) if it exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready in {SERVER_START_TIMEOUT_S} s:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
 
 
 def create_inference_key(base: str, admin_key: str) -> str:
@@ -232,6 +267,7 @@ def _messages(i: int, tag: str) -> list[dict[str, str]]:
 
 
 async def stream_one(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int) -> RequestResult:
+    """One streamed chat request, timed here. A failure is a result with `error` set, never an exception."""
     body = {
         "model": model,
         "messages": messages,
@@ -242,77 +278,114 @@ async def stream_one(client: Any, model: str, messages: list[dict[str, str]], ma
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    first: float | None = None
-    last = start
-    result = RequestResult(ok=False)
-    chunks = 0
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    result.error = event["error"].get("message", "error event")
-                    return result
-                if event.get("usage"):
-                    result.output_tokens = event["usage"]["completion_tokens"]
-                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                    now = time.perf_counter()
-                    chunks += 1
-                    if first is None:
-                        first = now
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                return RequestResult(error=f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}")
+            return await _read_events(response.aiter_lines(), start)
     except Exception as error:  # noqa: BLE001 - a failed request is counted, not fatal
-        result.error = f"{type(error).__name__}: {error}"
-        return result
-    end = time.perf_counter()
-    if first is None:
-        result.error = "no content"
-        return result
-    result.ok, result.ttft, result.e2e = True, first - start, end - start
-    result.output_tokens = result.output_tokens or chunks
-    return result
+        return RequestResult(error=f"{type(error).__name__}: {error}")
 
 
-async def run_load(base: str, key: str, model: str, num: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def _read_events(lines: AsyncIterator[str], start: float) -> RequestResult:
+    """Time the content chunks of an SSE stream up to ``[DONE]``; an error event or no ``[DONE]`` is an error."""
+    content_at: list[float] = []
+    usage_tokens = 0
+    async for line in lines:
+        if line == "data: [DONE]":
+            break
+        if not line.startswith("data: "):
+            continue
+        event = json.loads(line[len("data: ") :])
+        if "error" in event:
+            return RequestResult(error=f"error event: {event['error'].get('message', event['error'])}")
+        if event.get("usage"):
+            usage_tokens = event["usage"]["completion_tokens"]
+        if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+            content_at.append(time.perf_counter())
+    else:
+        return RequestResult(error="the stream ended without [DONE]")
+    if not content_at:
+        return RequestResult(error="no content")
+    return RequestResult(
+        ttft=content_at[0] - start,
+        e2e=time.perf_counter() - start,
+        output_tokens=usage_tokens or len(content_at),
+        itl=[later - earlier for earlier, later in pairwise(content_at)],
+    )
+
+
+class _Dispatcher:
+    """Hands each client its next request index: `num_requests` in all, or any number until the deadline."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self.start = time.perf_counter()
+        self._limit = None if plan.duration_s else plan.num_requests
+        self._deadline = self.start + plan.duration_s if plan.duration_s else math.inf
+        self._sent = 0
+
+    def next_index(self) -> int | None:
+        if self._sent == self._limit or time.perf_counter() >= self._deadline:
+            return None
+        self._sent += 1
+        return self._sent - 1
+
+
+async def _report_every(interval_s: float, plan: LoadPlan, results: list[RequestResult], start: float) -> None:
+    """A progress line on stderr every `interval_s` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        done = f"{len(results)}" if plan.duration_s else f"{len(results)}/{plan.num_requests}"
+        elapsed = f"{time.perf_counter() - start:.0f} s" + (f" of {plan.duration_s:g} s" if plan.duration_s else "")
+        log(f"load: {done} requests done, {sum(not r.ok for r in results)} errors, {elapsed}")
+
+
+async def run_load(base: str, key: str, model: str, plan: LoadPlan) -> dict[str, Any]:
+    """A warm-up request, then the load: `plan.concurrency` clients, each sending its next request when its last
+    one ends, until the dispatcher says stop. Requests in flight at a deadline finish and count."""
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    limits = httpx.Limits(max_connections=plan.concurrency + 2, max_keepalive_connections=plan.concurrency + 2)
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600, limits=limits) as client:
         warm = await stream_one(client, model, _messages(0, "warm-up"), 2)
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
-        progress = Progress(f"load ({concurrency} concurrent, {max_tokens} tokens each)", num)
-        gate = asyncio.Semaphore(concurrency)
+        extent = f"for {plan.duration_s:g} s" if plan.duration_s else f"{plan.num_requests} requests"
+        log(f"load: {plan.concurrency} concurrent clients, {plan.max_tokens} tokens each, {extent}")
+        results: list[RequestResult] = []
+        dispatcher = _Dispatcher(plan)
 
-        async def one(i: int) -> RequestResult:
-            async with gate:
-                result = await stream_one(client, model, _messages(i, "load"), max_tokens)
-            progress.advance()
-            return result
+        async def one_client() -> None:
+            while (i := dispatcher.next_index()) is not None:
+                results.append(await stream_one(client, model, _messages(i, "load"), plan.max_tokens))
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(i) for i in range(num)))
-        duration = time.perf_counter() - start
+        reporter = asyncio.create_task(_report_every(PROGRESS_INTERVAL_S, plan, results, dispatcher.start))
+        try:
+            await asyncio.gather(*(one_client() for _ in range(plan.concurrency)))
+        finally:
+            reporter.cancel()
+        duration = time.perf_counter() - dispatcher.start
+    return _load_summary(plan, results, duration)
+
+
+def _load_summary(plan: LoadPlan, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """Counts, throughput and latency percentiles (of the successful requests) for the JSON and the table."""
     ok = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
-    if failed:
-        log(f"{len(failed)} requests failed; first error: {failed[0].error}")
+    errors = [r.error for r in results if not r.ok]
+    log(f"load: {len(results)} requests, {len(errors)} errors in {duration:.1f} s")
+    if errors:
+        log(f"first error: {errors[0]}")
     output_tokens = sum(r.output_tokens for r in ok)
     summary: dict[str, Any] = {
-        "num_requests": num,
-        "concurrency": concurrency,
-        "max_tokens": max_tokens,
-        "completed": len(ok),
-        "failed": len(failed),
+        "concurrency": plan.concurrency,
+        "max_tokens": plan.max_tokens,
+        "duration_target_s": plan.duration_s,
         "duration_s": duration,
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_errors": len(errors),
+        "errors": errors[:MAX_ERROR_MESSAGES],
         "request_throughput_per_s": len(ok) / duration,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / duration,
@@ -410,17 +483,25 @@ async def run_overhead(base: str, key: str, model: str, engine: _EngineOnItsLoop
 # ---- the command
 
 
-def run(args: argparse.Namespace) -> int:
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, if anything."""
     for name in ("num_requests", "concurrency", "max_tokens"):
         if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        return f"--duration must be a positive number of seconds, got {args.duration:g}"
     if args.overhead_requests < 0:
-        print("error: --overhead-requests must not be negative", file=sys.stderr)
-        return 2
+        return "--overhead-requests must not be negative"
     if args.url and not (args.api_key or args.admin_key):
-        print("error: --url needs --api-key (or PAGEWISE_API_KEY) or --admin-key", file=sys.stderr)
+        return "--url needs --api-key (or PAGEWISE_API_KEY) or --admin-key"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if problem := _usage_error(args):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    plan = LoadPlan(args.concurrency, args.max_tokens, args.num_requests, args.duration)
     started = time.perf_counter()
     engine: _EngineOnItsLoop | None = None
     if args.overhead_requests:
@@ -431,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _server(args) as (base, key):
             model = _served_model(base, key, args.model)
-            load = asyncio.run(run_load(base, key, model, args.num_requests, args.concurrency, args.max_tokens))
+            load = asyncio.run(run_load(base, key, model, plan))
             result: dict[str, Any] = {"url": args.url or "local", "model": model, **load}
             if engine is not None:
                 result.update(asyncio.run(run_overhead(base, key, model, engine, args.overhead_requests)))
@@ -446,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print_table(result)
-    return 0 if result["failed"] == 0 else 1
+    return 0 if result["num_errors"] == 0 else 1
 
 
 @contextmanager
@@ -476,9 +557,9 @@ def _served_model(base: str, key: str, wanted: str) -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     rows = [
-        ("requests completed / failed", f"{result['completed']} / {result['failed']}"),
+        ("requests completed / errors", f"{result['num_completed']} / {result['num_errors']}"),
         ("concurrency, max_tokens", f"{result['concurrency']}, {result['max_tokens']}"),
-        ("duration", f"{result['duration_s']:.2f} s"),
+        ("duration", f"{result['duration_s']:.2f} s" + _target(result["duration_target_s"])),
         ("request throughput", f"{result['request_throughput_per_s']:.2f} req/s"),
         ("output token throughput", f"{result['output_tokens_per_s']:.1f} tok/s"),
     ]
@@ -498,3 +579,7 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"serving benchmark: {result['model']} at {result['url']}")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+def _target(duration_target_s: float | None) -> str:
+    return f" (closed loop for {duration_target_s:g} s)" if duration_target_s else ""

@@ -3,44 +3,84 @@
 The event loop never runs a model step: ``generate`` validates on the caller's thread (so bad input raises
 there and changes nothing), then hands the request to the engine thread through an inbox; the thread pushes
 each step's deltas back with ``call_soon_threadsafe``. Leaving ``generate`` early aborts the request.
+
+Ids. Every ``generate`` call gets an engine id of its own; the caller's id names it in outputs and in ``abort``
+and is in use from ``generate`` until the stream ends or ``abort`` releases it. A late delivery or abort for an
+old call therefore never reaches a new call that reuses its id.
+
+Failures. A request that fails on its own (in ``add_request`` or in its share of a step) ends its stream with the
+error — ``InvalidRequestError`` as is, anything else as ``RequestFailedError``. A failed step fails the requests
+it touched and the loop goes on. ``_MAX_FAILED_STEPS`` failed steps in a row, or any error outside a step, kill
+the engine: every waiting stream gets ``EngineDeadError``, ``is_alive()`` turns False, ``error`` holds the cause,
+``on_dead`` is called once from the engine thread (after every stream was told), and ``start()`` refuses from
+then on.
+
+Usage. A ``usage`` future given to ``generate`` is resolved exactly once with the request's final
+``RequestUsage`` when it leaves the engine for any reason — on the engine thread, or with zeros on the caller's
+thread when ``generate`` rejects the request before handing it over (zeros too if it never entered the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from pagewise.engine.config import EngineConfig
-from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, StepFailedError
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
-from pagewise.engine.outputs import RequestOutput
+from pagewise.engine.outputs import NO_USAGE, RequestOutput, RequestUsage
 from pagewise.engine.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
-@dataclass(slots=True)
-class _Stream:
+_MAX_FAILED_STEPS = 3
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue and its usage future."""
+
+    request_id: str
+    engine_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    usage: Future | None
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread crashed; the message carries the original error."""
+def _resolve(usage: Future | None, value: RequestUsage) -> None:
+    """Resolve a usage future unless it is already done (or its owner cancelled it)."""
+    if usage is not None:
+        with contextlib.suppress(InvalidStateError):
+            usage.set_result(value)
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        progress: bool = True,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = LLMEngine(config, progress=progress)
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self._on_dead = on_dead
         self._inbox: deque[tuple] = deque()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _calls, _by_caller, _error, _thread
+        self._calls: dict[str, _Call] = {}  # engine id -> call, while its consumer listens
+        self._by_caller: dict[str, str] = {}  # caller id -> engine id, while the caller id is in use
+        self._in_engine: dict[str, _Call] = {}  # engine thread only: calls whose request is in the engine
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -48,27 +88,47 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
 
+    # ---- lifecycle
+
     def start(self) -> None:
-        """Start the stepping thread (idempotent)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="pagewise-engine", daemon=True)
-            self._thread.start()
+        """Start the stepping thread (idempotent). Raises ``EngineDeadError`` once the engine died: a loop never
+        restarts on the state a crash left behind."""
+        with self._lock:
+            self._raise_if_dead()
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="pagewise-engine", daemon=True)
+                self._thread.start()
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30)
+
+    def is_alive(self) -> bool:
+        """False once the engine died of an error (see ``error``); a stopped or not yet started engine is alive."""
+        return self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine, or None."""
+        return self._error
 
     def stats(self) -> dict[str, float | int]:
         """A snapshot taken after the engine's latest step."""
         return dict(self._stats)
 
+    # ---- requests
+
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; its blocks are freed on the engine thread's next turn."""
-        self._post(("abort", request_id))
+        """Abort the live call with the caller's ``request_id``, from any thread. The id is free for a new call
+        at once; the old stream ends with an ``"abort"`` output once the engine thread frees its blocks."""
+        with self._lock:
+            engine_id = self._by_caller.pop(request_id, None)
+        if engine_id is not None:
+            self._post(("abort", engine_id))
 
     async def generate(
         self,
@@ -76,62 +136,94 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         tenant_id: str | None = None,
+        *,
+        usage: Future | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield ``RequestOutput`` deltas for one request until it finishes."""
-        if self._error is not None:
-            raise EngineDeadError(f"engine stopped after an error: {self._error!r}")
-        params = params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
-        token_ids = self.engine.process_prompt(prompt, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        self.start()
-        text = prompt if isinstance(prompt, str) else None
-        self._post(("add", request_id, token_ids, text, params, tenant_id))
-        finished = False
+        """Yield ``RequestOutput`` deltas for one request until it finishes. ``usage``, if given, is resolved
+        with the request's final ``RequestUsage`` however the request ends (see the module docstring) — once the
+        stream is first iterated: like any async generator, a stream closed before that never ran at all.
+
+        Close a stream you leave early (``aclose()`` or ``contextlib.aclosing``): a bare ``break`` leaves the
+        abort, and the release of ``request_id``, to the event loop's finalizer."""
         try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, InvalidRequestError):
-                    raise item
+            self._raise_if_dead()
+            params = params or SamplingParams()
+            token_ids = self.engine.process_prompt(prompt, params)
+            self.start()
+        except BaseException:
+            _resolve(usage, NO_USAGE)
+            raise
+        caller_id = request_id or f"req-{next(self._ids)}"
+        call = _Call(caller_id, f"{caller_id}@{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), usage)
+        text = prompt if isinstance(prompt, str) else None
+        with self._lock:  # registered and posted together, so an abort for this call is always behind its add
+            if self._error is not None or caller_id in self._by_caller:
+                _resolve(usage, NO_USAGE)
+                self._raise_if_dead()
+                raise InvalidRequestError(f"request id {caller_id!r} is already in use")
+            self._by_caller[caller_id] = call.engine_id
+            self._calls[call.engine_id] = call
+            self._post(("add", call, token_ids, text, params, tenant_id))
+        ended = False
+        try:
+            while not ended:
+                item = await call.queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine stopped after an error: {item!r}") from item
-                finished = item.finished
+                    ended = True
+                    raise item
+                ended = item.finished
                 yield item
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+                self._calls.pop(call.engine_id, None)
+                if self._by_caller.get(caller_id) == call.engine_id:
+                    del self._by_caller[caller_id]
+            if not ended:
+                self._post(("abort", call.engine_id))
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error!r}") from self._error
 
     def _post(self, message: tuple) -> None:
         self._inbox.append(message)
         self._wake.set()
 
+    # ---- the engine thread
+
     def _run(self) -> None:
-        engine = self.engine
         try:
-            while not self._stopping:
-                self._drain_inbox()
-                if not engine.has_unfinished_requests():
-                    self._stats = engine.stats()
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
-                outputs = engine.step()
-                self._stats = engine.stats()
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+            failure = self._step_until_stopped()
         except BaseException as error:  # noqa: BLE001 - every waiting stream must hear about a crash
-            self._error = error
-            with self._lock:
-                streams = list(self._streams)
-            for request_id in streams:
-                self._deliver(request_id, error)
-            raise
+            self._die(error, "an error outside a step")
+            return
+        if failure is not None:
+            self._die(failure, f"{_MAX_FAILED_STEPS} steps in a row failed")
+
+    def _step_until_stopped(self) -> StepFailedError | None:
+        """Step while there is work, until shutdown (returns None) or ``_MAX_FAILED_STEPS`` failed steps in a
+        row (returns the last failure)."""
+        engine = self.engine
+        failed_steps = 0
+        while not self._stopping:
+            self._drain_inbox()
+            if not engine.has_unfinished_requests():
+                self._stats = engine.stats()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            failure = None
+            try:
+                outputs = engine.step()
+            except StepFailedError as error:
+                failure, outputs = error, error.outputs
+            failed_steps = failed_steps + 1 if failure else 0
+            self._stats = engine.stats()
+            for output in outputs:
+                self._deliver(output)
+            if failed_steps >= _MAX_FAILED_STEPS:
+                return failure
+        return None
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -139,26 +231,69 @@ class AsyncLLMEngine:
             if message[0] == "abort":
                 final = self.engine.abort_request(message[1])
                 if final is not None:
-                    self._deliver(message[1], final)
-                continue
-            _, request_id, token_ids, text, params, tenant_id = message
-            with self._lock:
-                wanted = request_id in self._streams
-            if not wanted:
-                continue
-            try:
-                self.engine.add_request(
-                    request_id, token_ids, params, tenant_id, delta=True, prompt_text=text
-                )
-            except InvalidRequestError as error:
-                self._deliver(request_id, error)
+                    self._deliver(final)
+            else:
+                self._add(*message[1:])
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _add(self, call: _Call, token_ids: list[int], text: str | None, params: SamplingParams, tenant_id) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
+            listening = self._calls.get(call.engine_id) is call
+        if not listening:  # the consumer left before the request got here
+            _resolve(call.usage, NO_USAGE)
             return
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            self.engine.add_request(call.engine_id, token_ids, params, tenant_id, delta=True, prompt_text=text)
+        except Exception as error:  # noqa: BLE001 - one request's failure is its own
+            if not isinstance(error, InvalidRequestError):
+                _logger.warning("request %r could not be added", call.request_id, exc_info=error)
+                failure = RequestFailedError(f"the request could not be added: {type(error).__name__}: {error}")
+                failure.__cause__ = error
+                error = failure
+            self._send(call, error)
+            _resolve(call.usage, NO_USAGE)
+            return
+        self._in_engine[call.engine_id] = call
+
+    def _deliver(self, output: RequestOutput) -> None:
+        """Send an engine output to its call (the caller's id in place of the engine id); a final one releases
+        the call and resolves its usage."""
+        call = self._in_engine[output.request_id]
+        if output.finished:
+            del self._in_engine[output.request_id]
+        output.request_id = call.request_id
+        self._send(call, output if output.error is None else output.error)
+        if output.finished:
+            _resolve(call.usage, output.usage)
+
+    def _send(self, call: _Call, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            listening = self._calls.get(call.engine_id) is call
+        if not listening:
+            return
+        try:
+            call.loop.call_soon_threadsafe(call.queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            self._post(("abort", request_id))
+            self._post(("abort", call.engine_id))
+
+    def _die(self, error: BaseException, why: str) -> None:
+        """Mark the engine dead, end every stream with ``EngineDeadError``, settle every usage, call ``on_dead``."""
+        _logger.critical("the engine stopped: %s", why, exc_info=error)
+        with self._lock:
+            self._error = error
+            calls = list(self._calls.values())
+        for engine_id, call in self._in_engine.items():
+            _resolve(call.usage, self.engine.request_usage(engine_id) or NO_USAGE)
+        while self._inbox:  # nothing new can be added once _error is set
+            message = self._inbox.popleft()
+            if message[0] == "add":
+                _resolve(message[1].usage, NO_USAGE)
+        for call in calls:
+            dead = EngineDeadError(f"the engine stopped ({why}): {error!r}")
+            dead.__cause__ = error
+            self._send(call, dead)
+            _resolve(call.usage, NO_USAGE)  # no-op for any call already settled above
+        if self._on_dead is not None:
+            try:
+                self._on_dead(error)
+            except Exception:  # noqa: BLE001 - the engine is already dead; the callback must not hide why
+                _logger.exception("on_dead callback failed")

@@ -48,7 +48,7 @@ import torch
 
 from pagewise.engine.errors import InvalidRequestError
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
-from pagewise.engine.sampling_params import _MAX_LOGPROBS, SamplingParams
+from pagewise.engine.sampling_params import _MAX_LOGPROBS, SamplingParams, is_int
 
 
 @dataclass(slots=True)
@@ -77,9 +77,9 @@ class BeamSearchParams:
         def fail(message: str) -> None:
             raise InvalidRequestError(message)
 
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= _MAX_LOGPROBS // 2:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= _MAX_LOGPROBS // 2:
             fail(f"beam_width must be an integer in [1, {_MAX_LOGPROBS // 2}], got {self.beam_width!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -273,11 +273,9 @@ def _run_to_completion(engine: LLMEngine, request_ids: set[str]) -> dict[str, li
         if not engine.has_unfinished_requests():
             raise RuntimeError("engine stopped with beam requests unfinished")
         for output in engine.step():
+            if output.error is not None and output.request_id in request_ids:
+                raise output.error
             if output.finished and output.request_id in request_ids:
                 logprobs = output.outputs[0].logprobs or []
                 results[output.request_id] = [{t: lp.logprob for t, lp in pos.items()} for pos in logprobs]
     return results
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

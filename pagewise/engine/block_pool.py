@@ -122,11 +122,16 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash; blocks in use stay allocated but are no longer hittable."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, only while no block is in use (returns False and changes nothing otherwise):
+        a live request registers each of its blocks once, so a block unhashed under it would never be hittable
+        again."""
+        if self.num_free != self.num_blocks:
+            return False
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

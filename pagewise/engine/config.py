@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewise.engine.errors import InvalidConfigError
+from pagewise.engine.sampling_params import is_int
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -19,8 +20,13 @@ class EngineConfig:
     - ``max_model_len``: longest prompt + output; defaults to the model's context length, capped at 8,192.
     - ``max_num_batched_tokens``: the per-step token budget; ``None`` = 2,048 with chunked prefill (long prompts
       are split across steps), else ``max(2,048, max_model_len)``.
-    - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU, ``gpu_memory_utilization`` of
-      the free device memory on CUDA.
+    - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU. On CUDA the default is what
+      ``gpu_memory_utilization`` leaves for it.
+    - ``gpu_memory_utilization``: the fraction of the device's *total* memory this engine may use for weights,
+      activations and KV cache together (vLLM's meaning): the KV cache gets ``total * gpu_memory_utilization``
+      minus the memory the process took loading the weights and the peak activations of a profiled largest step
+      (``max_num_batched_tokens`` tokens). Start-up fails with a clear error if that leaves nothing, or if the
+      share exceeds the memory free at start-up. Ignored on CPU and when ``kv_cache_memory_bytes`` is set.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -43,21 +49,26 @@ class EngineConfig:
         def fail(message: str) -> None:
             raise InvalidConfigError(message)
 
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        if not is_int(self.block_size) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             fail(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             fail(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and not (
+            is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1
+        ):
             fail(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
+        if self.max_model_len is not None and not (is_int(self.max_model_len) and self.max_model_len >= 2):
             fail(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and not (
+            is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0
+        ):
             fail(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
             fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.swap_space_bytes < 0:
+        if not is_int(self.swap_space_bytes) or self.swap_space_bytes < 0:
             fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.dtype not in _DTYPES:
             fail(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -90,10 +101,11 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
-    def resolve_kv_cache_bytes(self) -> int:
+    def resolve_kv_cache_bytes(self) -> int | None:
+        """``kv_cache_memory_bytes`` if set, else the CPU default; None on CUDA, where the engine measures the
+        budget once the weights are loaded (``pagewise.engine.kv_budget``)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         if self.device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
-            return int(free * self.gpu_memory_utilization)
+            return None
         return _DEFAULT_CPU_KV_BYTES

@@ -11,6 +11,8 @@ Invariants kept here:
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagewise.engine.block_pool import BlockPool, KVBlock
@@ -149,6 +151,25 @@ class KVCacheManager:
         request.block_ids = [b.block_id for b in blocks]
         self.release_swap(request)
         return True
+
+    def check_accounting(self, live: Iterable[Request]) -> None:
+        """Raise RuntimeError unless the ``live`` requests account for every block and swap slot: each block's ref
+        count is the number of live requests holding it, the free queue holds exactly the unreferenced blocks,
+        and each swap slot is either free or held by one live request."""
+        holders: Counter[int] = Counter()
+        held_slots: list[int] = []
+        for request in live:
+            holders.update(request.block_ids)
+            held_slots += request.swap_slots
+        wrong = [b.block_id for b in self.pool.blocks if b.ref_count != holders[b.block_id]]
+        num_unreferenced = sum(1 for b in self.pool.blocks if b.ref_count == 0)
+        slots = sorted(held_slots + self.swap.free_slots)
+        if wrong or num_unreferenced != self.pool.num_free or slots != list(range(self.swap.num_slots)):
+            raise RuntimeError(
+                f"KV block accounting is broken: ref counts wrong for blocks {wrong[:8]}, "
+                f"{num_unreferenced} unreferenced blocks vs {self.pool.num_free} free, "
+                f"{len(slots)} swap slots accounted of {self.swap.num_slots}"
+            )
 
     def take_block_ops(self) -> list[BlockOp]:
         ops, self.block_ops = self.block_ops, []

@@ -44,7 +44,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order. A prompt is a ``str`` or a list of token
-        ids. All prompts are validated before any is queued, so a bad one leaves the engine untouched."""
+        ids. All prompts are validated before any is queued, so a bad one leaves the engine untouched. A request
+        failing inside the engine raises its ``RequestFailedError`` (a failed step, ``StepFailedError``) and
+        aborts the rest of the batch."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
         token_ids = [self.engine.process_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
@@ -86,8 +88,9 @@ class LLM:
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
 
-    def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False (nothing changed) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -97,6 +100,8 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine stopped with requests unfinished")
                 for output in self.engine.step():
+                    if output.error is not None:
+                        raise output.error
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)

@@ -1,55 +1,45 @@
-"""``LLMEngine``: requests in, one scheduled step at a time, ``RequestOutput``s out."""
+"""``LLMEngine``: requests in, one scheduled step at a time, ``RequestOutput``s out.
+
+Failures are contained. Per-request work of a step (sampling a row, recording computed tokens, appending a token,
+detokenizing, stop checks) that raises fails that request alone: it finishes with ``finish_reason="error"``, its
+blocks are freed and its final output carries a ``RequestFailedError``. Batch-wide work that raises (scheduling,
+the forward pass) fails every request the step touched and ``step`` raises ``StepFailedError``; block accounting
+is verified afterwards, and if it does not add up the error escapes as is (the engine cannot be trusted).
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from pagewise.engine.block_pool import BlockPool
 from pagewise.engine.config import EngineConfig
-from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, PromptTooLongError
+from pagewise.engine.errors import (
+    InvalidConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestFailedError,
+    StepFailedError,
+)
+from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.loader import load_model
-from pagewise.engine.model_runner import KVCache, ModelRunner
+from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
-from pagewise.engine.outputs import CompletionOutput, RequestOutput
-from pagewise.engine.request import Request
+from pagewise.engine.outputs import RequestOutput, RequestUsage
+from pagewise.engine.request import Request, RequestStatus
+from pagewise.engine.request_group import RequestGroup, SampleState
 from pagewise.engine.sampler import Sampler, SampleResult
-from pagewise.engine.sampling_params import SamplingParams
+from pagewise.engine.sampling_params import SamplingParams, is_int
 from pagewise.engine.scheduler import Scheduler, SchedulerOutput
 from pagewise.engine.tokenizer import IncrementalDetokenizer
 
 PromptInput = str | Sequence[int]
 
-
-@dataclass(slots=True, eq=False)
-class _Sample:
-    """One sample's output state: text so far (cut at a stop string) and what a delta consumer has seen."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    finish_sent: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    delta: bool
-    hold_back: int = 0
-    changed: bool = field(default=False)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.finished for s in self.samples)
+_logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -59,6 +49,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        budget = config.resolve_kv_cache_bytes()
+        at_start = DeviceMemory.read(self.device) if budget is None else None
         loaded = load_model(
             config.model, dtype=config.torch_dtype, cache_dir=config.cache_dir, progress=progress
         )
@@ -70,10 +62,16 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(arch.max_position_embeddings)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
         self.block_size = config.block_size
+        with skip_weight_init():
+            model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
+        model.load_hf_weights(loaded.weights)
+        del loaded
+        self.model = model.to(self.device).eval()
+        if budget is None:
+            budget = self._measure_kv_budget(at_start)
         per_block = KVCache.bytes_per_block(
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, config.torch_dtype
         )
-        budget = config.resolve_kv_cache_bytes()
         # More blocks than every sequence at full length could use would only cost memory and start-up time.
         useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         self.num_blocks = min(budget // per_block, useful)
@@ -83,11 +81,6 @@ class LLMEngine:
                 f"{arch.num_layers} layers needs {per_block:,} bytes"
             )
         num_swap = config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0
-        with skip_weight_init():
-            model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
-        model.load_hf_weights(loaded.weights)
-        del loaded
-        self.model = model.to(self.device).eval()
         kv_cache = KVCache(
             arch.num_layers,
             self.num_blocks,
@@ -108,37 +101,58 @@ class LLMEngine:
             config.preemption_mode,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        sampler = Sampler(self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        sampler = Sampler(
+            self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False), self.eos_token_ids
+        )
         self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device)
-        self._groups: dict[str, _Group] = {}
-        self._owner: dict[Request, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._owner: dict[Request, RequestGroup] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_blocks_in_use = 0
         self.kv_utilization_at_peak = 0.0
 
+    def _measure_kv_budget(self, at_start: DeviceMemory) -> int:
+        """CUDA: ``gpu_memory_utilization`` of the device's total memory, less the weights (already loaded) and
+        the activations of the largest step (profiled here). See ``kv_budget``."""
+        config = self.config
+
+        def largest_step() -> None:
+            profile_forward(
+                self.model, self.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
+            )
+
+        activation = peak_activation_bytes(self.device, largest_step)
+        after_load = DeviceMemory.read(self.device)
+        return cuda_kv_cache_bytes(config.gpu_memory_utilization, at_start, after_load, activation)
+
     # ---- requests in
 
     def process_prompt(self, prompt: PromptInput, params: SamplingParams) -> list[int]:
-        """Validate a prompt against this engine (no state change) and return its token ids."""
+        """Validate a prompt and its parameters against this engine (no state change); return its token ids.
+
+        As vLLM v1, a prompt of ``max_model_len`` tokens or more is rejected: at least one token must fit after it.
+        """
+        vocab = self.arch.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+            bad = [t for t in token_ids if not is_int(t) or not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.arch.vocab_size}); got {bad[0]!r}"
-                )
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
         else:
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
+        for name, token_id in params.token_ids_to_check():
+            if token_id >= vocab:
+                raise InvalidRequestError(f"{name} must be token ids in [0, {vocab}); got {token_id}")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         need = min(len(token_ids) + params.max_tokens, self.max_model_len)
@@ -182,14 +196,15 @@ class LLMEngine:
             if sample_params.seed is not None:
                 request.generator = torch.Generator(self.device).manual_seed(sample_params.seed)
             samples.append(
-                _Sample(
+                SampleState(
                     request,
                     IncrementalDetokenizer(self.tokenizer, token_ids, sample_params.skip_special_tokens),
                 )
             )
-        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        longest_stop = max((len(s) for s in params.stop_strings), default=1)
+        hold = 0 if params.include_stop_str_in_output else longest_stop - 1
         text = prompt if isinstance(prompt, str) else prompt_text
-        group = _Group(request_id, text, token_ids, samples, delta, hold)
+        group = RequestGroup(request_id, text, token_ids, samples, delta, hold)
         self._groups[request_id] = group
         for sample in samples:
             self._owner[sample.request] = group
@@ -199,127 +214,136 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
         samples end with ``finish_reason="abort"``); unknown ids are ignored and return None."""
-        group = self._groups.pop(request_id, None)
+        group = self._groups.get(request_id)
         if group is None:
             return None
-        for sample in group.samples:
-            if not sample.request.finished:
-                self.scheduler.finish(sample.request)
-                sample.request.finish_reason = "abort"
-            self._owner.pop(sample.request, None)
-        return self._output(group)
+        self._end(group, "abort")
+        return group.output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def request_usage(self, request_id: str) -> RequestUsage | None:
+        """A live request's usage so far; None for unknown (or already finished) ids."""
+        group = self._groups.get(request_id)
+        return None if group is None else group.usage
+
     # ---- one step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that made progress."""
-        step = self.scheduler.schedule()
+        """Schedule, run the model once, sample, and report every request that made progress or failed.
+
+        Raises ``StepFailedError`` (engine consistent, the step's requests failed) when batch-wide work fails.
+        """
+        try:
+            step = self.scheduler.schedule()
+        except Exception as error:
+            self.kv.take_block_ops()  # the copies of a half-made schedule must never run
+            raise self._fail_step("scheduling", error, [*self.scheduler.running, *self.scheduler.swapped]) from error
         if step.is_empty:
             return []
-        samples = self.runner.execute(step)
+        try:
+            samples = self.runner.execute(step)
+        except Exception as error:
+            raise self._fail_step("the forward pass", error, self._touched(step)) from error
+        failed: list[RequestOutput] = []
         for request, num_new in step.scheduled.items():
-            request.num_computed_tokens += num_new
-            self.kv.register_full_blocks(request)
+            group = self._owner.get(request)
+            if group is None:  # failed earlier in this step (a sibling sample)
+                continue
+            try:
+                self._computed(group, request, num_new)
+            except Exception as error:  # noqa: BLE001 - contained to this request
+                failed.append(self._fail(group, "recording its computed tokens", error))
         self._track_utilization()
         for request, result in samples.items():
-            self._append(request, result)
-        return self._collect_outputs(step, samples)
+            group = self._owner.get(request)
+            if group is None:
+                continue
+            if isinstance(result, Exception):
+                failed.append(self._fail(group, "sampling its next token", result))
+                continue
+            try:
+                self._append(group, request, result)
+            except Exception as error:  # noqa: BLE001 - contained to this request
+                failed.append(self._fail(group, "processing its new token", error))
+        return failed + self._collect_outputs(samples)
 
-    def _append(self, request: Request, result: SampleResult) -> None:
-        group = self._owner[request]
-        sample = next(s for s in group.samples if s.request is request)
+    def _computed(self, group: RequestGroup, request: Request, num_new: int) -> None:
+        """The one place a step's computed tokens are applied (and the prompt high-water mark advances)."""
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        if num_new:  # a fork (0 new tokens) reached the prompt through its leader
+            group.record_prompt_progress(start, request.num_computed_tokens)
+        self.kv.register_full_blocks(request)
+
+    def _append(self, group: RequestGroup, request: Request, result: SampleResult) -> None:
         request.append_token(result.token_id)
+        group.num_generated += 1
         self.generation_tokens_total += 1
+        group.changed = True
         if result.logprobs is not None:
             request.output_logprobs.append(result.logprobs)
-        params = request.params
-        previous_len = len(sample.text)
-        sample.text += sample.detokenizer.push(result.token_id)
-        group.changed = True
-        if not params.ignore_eos and result.token_id in self.eos_token_ids:
-            self._finish(sample, "stop")
-        elif params.stop_token_ids and result.token_id in params.stop_token_ids:
-            self._finish(sample, "stop", result.token_id)
-        elif params.stop_strings and self._cut_at_stop(sample, previous_len):
-            return
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(sample, "length")
+        finish = group.sample_of(request).after_token(result.token_id, self.eos_token_ids, self.max_model_len)
+        if finish is not None:
+            request.finish_reason, request.stop_reason = finish
+            self.scheduler.finish(request)  # its blocks are free for the next step
 
-    def _cut_at_stop(self, sample: _Sample, previous_len: int) -> bool:
-        strings = sample.request.params.stop_strings
-        start = max(0, previous_len - max(len(s) for s in strings) + 1)
-        found = [(sample.text.find(s, start), s) for s in strings]
-        found = [(pos, s) for pos, s in found if pos >= 0]
-        if not found:
-            return False
-        pos, stop = min(found)
-        sample.text = sample.text[:pos]
-        self._finish(sample, "stop", stop, flush=False)
-        return True
+    # ---- failures
 
-    def _finish(self, sample: _Sample, reason: str, stop_reason: str | int | None = None, flush: bool = True) -> None:
-        """End a sample and free its blocks in this step; ``flush`` releases any text the detokenizer held."""
-        if flush:
-            sample.text += sample.detokenizer.flush()
-        request = sample.request
-        request.finish_reason = reason
-        request.stop_reason = stop_reason
-        self.scheduler.finish(request)
+    def _end(self, group: RequestGroup, reason: str) -> None:
+        """Finish every unfinished sample of ``group`` with ``reason``, free its blocks, forget the group."""
+        for sample in group.samples:
+            if not sample.request.finished:
+                self.scheduler.finish(sample.request)
+                sample.request.finish_reason = reason
+        self._forget(group)
 
-    def _collect_outputs(
-        self, step: SchedulerOutput, samples: dict[Request, SampleResult]
-    ) -> list[RequestOutput]:
+    def _fail(self, group: RequestGroup, what: str, error: Exception, *, log: bool = True) -> RequestOutput:
+        if log:
+            _logger.warning("request %r failed while %s", group.request_id, what, exc_info=error)
+        self._end(group, "error")
+        failure = RequestFailedError(f"the request failed while {what}: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        return group.output(failure)
+
+    def _fail_step(self, what: str, error: Exception, requests: Iterable[Request]) -> StepFailedError:
+        """Fail the groups of ``requests`` after batch-wide work raised; verify that every block is accounted."""
+        groups = list(dict.fromkeys(self._owner[r] for r in requests if r in self._owner))
+        _logger.error("the step failed during %s; failing its %d requests", what, len(groups), exc_info=error)
+        outputs = [self._fail(group, what, error, log=False) for group in groups]
+        self.kv.check_accounting(self._live_requests())
+        return StepFailedError(f"the step failed during {what} ({error!r}); {len(outputs)} requests failed", outputs)
+
+    def _touched(self, step: SchedulerOutput) -> list[Request]:
+        """Requests whose KV this step's copies or forward pass may have left half-written: the scheduled ones,
+        the ones swapped out in it, and running ones swapped in by it."""
+        swapped_in = {op.dst for op in step.block_ops if op.kind == "swap_in"}
+        swapped_out = [r for r in step.preempted if r.status is RequestStatus.SWAPPED]
+        brought_back = [r for r in self.scheduler.running if swapped_in.intersection(r.block_ids)]
+        return [*step.scheduled, *swapped_out, *brought_back]
+
+    def _live_requests(self) -> list[Request]:
+        return [s.request for g in self._groups.values() for s in g.samples if not s.request.finished]
+
+    def _forget(self, group: RequestGroup) -> None:
+        del self._groups[group.request_id]
+        for sample in group.samples:
+            self._owner.pop(sample.request, None)
+
+    # ---- outputs
+
+    def _collect_outputs(self, samples: dict[Request, SampleResult | Exception]) -> list[RequestOutput]:
         outputs = []
         for request in samples:
             group = self._owner.get(request)
             if group is None or not group.changed:
                 continue
             group.changed = False
-            outputs.append(self._output(group))
+            outputs.append(group.output())
             if group.finished:
-                del self._groups[group.request_id]
-                for sample in group.samples:
-                    self._owner.pop(sample.request, None)
+                self._forget(group)
         return outputs
-
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for index, sample in enumerate(group.samples):
-            request = sample.request
-            visible = len(sample.text) if request.finished else max(0, len(sample.text) - group.hold_back)
-            if group.delta:
-                if sample.finish_sent:
-                    continue
-                begin_tok, begin_chr = sample.num_sent_tokens, sample.num_sent_chars
-                if begin_tok == request.num_output_tokens and not request.finished:
-                    continue
-            else:
-                begin_tok = begin_chr = 0
-            logprobs = request.output_logprobs[begin_tok:] if request.params.logprobs is not None else None
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=sample.text[begin_chr:visible],
-                    token_ids=request.output_token_ids[begin_tok:],
-                    finish_reason=request.finish_reason,
-                    logprobs=logprobs,
-                    stop_reason=request.stop_reason,
-                )
-            )
-            sample.num_sent_tokens = request.num_output_tokens
-            sample.num_sent_chars = max(visible, begin_chr)
-            sample.finish_sent = request.finished
-        return RequestOutput(
-            group.request_id,
-            group.prompt_token_ids,
-            completions,
-            group.finished,
-            group.samples[0].request.num_cached_tokens,
-            group.prompt,
-        )
 
     def _track_utilization(self) -> None:
         in_use = self.num_blocks - self.pool.num_free
@@ -349,5 +373,7 @@ class LLMEngine:
             "prefix_cache_hits": s.stats.prefix_cache_hits,
         }
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash. Refused (returns False, changes nothing) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+

@@ -95,8 +95,9 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[Request, SampleResult]:
-        """Run one step; returns a sample for every request whose tokens are all computed after this step."""
+    def execute(self, step: SchedulerOutput) -> dict[Request, SampleResult | Exception]:
+        """Run one step; returns a sample for every request whose tokens are all computed after this step (or
+        the exception that sampling its row raised)."""
         self.kv_cache.run(step.block_ops)
         batch = [(r, n) for r, n in step.scheduled.items() if n > 0]
         if not batch:
@@ -139,3 +140,31 @@ class ModelRunner:
         rows = torch.tensor([sample_rows[r] for r in requests], dtype=torch.int64, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return dict(zip(requests, self.sampler(logits, requests), strict=True))
+
+
+@torch.inference_mode()
+def profile_forward(
+    model: LlamaForCausalLM, num_tokens: int, max_seq_len: int, num_sample_rows: int, block_size: int
+) -> None:
+    """Run the largest step there can be — ``num_tokens`` prompt tokens in sequences of at most ``max_seq_len``,
+    then logits and log-probabilities for ``num_sample_rows`` rows — over dummy input, so that its activation
+    memory can be measured. Uses a one-block KV cache of its own and writes no cache slot."""
+    arch = model.arch
+    weight = next(model.parameters())
+    dev = weight.device
+    cache = KVCache(arch.num_layers, 1, 0, block_size, arch.num_kv_heads, arch.head_dim, weight.dtype, dev)
+    num_full, rest = divmod(num_tokens, max_seq_len)
+    lens = [max_seq_len] * num_full + ([rest] if rest else [])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+        block_tables=torch.zeros((len(lens), -(-max(lens) // block_size)), dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+    )
+    positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens])
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions, cache.layers, meta)
+    logits = model.compute_logits(hidden[-min(num_sample_rows, num_tokens) :])
+    torch.log_softmax(logits, dim=-1)

@@ -144,9 +144,13 @@ def copy_blocks(
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy blocks between two caches, possibly on different devices: ``dst[d] = src[s]`` per ``(s, d)`` pair."""
+    """Copy blocks between two caches, possibly on different devices: ``dst[d] = src[s]`` per ``(s, d)`` pair.
+
+    The cross-device copy is blocking, so a host cache holds the blocks when this returns: a ``non_blocking``
+    device-to-host copy would let ``index_copy_`` read its destination before the data landed.
+    """
     if block_mapping.numel() == 0:
         return
     src_ids = block_mapping[:, 0].long().to(src.device)
     dst_ids = block_mapping[:, 1].long().to(dst.device)
-    dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device, non_blocking=True))
+    dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device))

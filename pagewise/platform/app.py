@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
 
 import anyio
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
-from litestar.openapi import OpenAPIConfig
 
 from pagewise.platform.admin.controllers import AdminController
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
 from pagewise.platform.engine_client import EngineClient, InProcessEngineClient
 from pagewise.platform.errors import EXCEPTION_HANDLERS
+from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
 from pagewise.platform.inference.controllers import InferenceController
+from pagewise.platform.inference.leases import keep_leases
 from pagewise.platform.keys.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
 from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
+from pagewise.platform.openapi import describe_errors, openapi_config
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.quotas.quota_store import QuotaStore
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
@@ -37,22 +43,52 @@ logger = logging.getLogger("pagewise.platform")
 
 
 def load_engine(settings: Settings) -> InProcessEngineClient:
-    """Load the model into an in-process engine (seconds to minutes; blocking)."""
+    """Load the model into an in-process engine (seconds to minutes; blocking).
+
+    If the engine's loop ever dies, the process is asked to stop (SIGTERM: a graceful shutdown); the client's
+    `error` then tells `pagewise serve` to exit non-zero, so a supervisor restarts it.
+    """
     from pagewise.engine.async_engine import AsyncLLMEngine
     from pagewise.engine.config import EngineConfig
 
-    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs())))
+    def on_dead(error: BaseException) -> None:
+        logger.critical("the engine stopped after an error; shutting the server down: %r", error)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=on_dead))
+
+
+def admin_key_file() -> Path:
+    """Where a generated bootstrap admin key is written when there is no terminal to show it on."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "pagewise" / "admin-key"
 
 
 def announce_admin_key(key: str) -> None:
-    print(
+    """Show a generated admin key once: on the controlling terminal, never in a log stream.
+
+    Without a terminal (a container, a supervisor), the key goes to a file only its owner can read and the log
+    names the file. `PAGEWISE_ADMIN_KEY` avoids both: the operator chooses the key.
+    """
+    notice = (
         "\n  pagewise: first start on an empty database — created tenant 'admin' and an admin API key:\n\n"
         f"      {key}\n\n"
-        "  It is shown only this once. Create a tenant and an inference key with it:\n"
+        "  It is shown only this once (set PAGEWISE_ADMIN_KEY to choose it yourself). Create a tenant and a key:\n"
         "      pagewise tenants create acme && pagewise keys create --tenant acme\n"
-        "  or over HTTP: POST /admin/tenants {\"name\": \"acme\"}, then POST /admin/tenants/<id>/keys {}\n",
-        flush=True,
+        "  or over HTTP: POST /admin/tenants {\"name\": \"acme\"}, then POST /admin/tenants/<id>/keys {}\n\n"
     )
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(notice)
+        return
+    except OSError:
+        pass
+    path = admin_key_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(key + "\n")
+    logger.warning("first start: created an admin API key; no terminal to show it on, so it is in %s", path)
 
 
 def create_app(
@@ -85,13 +121,19 @@ def create_app(
             if interrupted:
                 logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
         async with sessionmaker() as session:
-            created = await KeyService(session).bootstrap_admin()
-        if created is not None:
+            created = await KeyService(session).bootstrap_admin(settings.admin_key)
+        if created is not None and settings.admin_key is None:
             announce_admin_key(created.key)
+        elif created is not None:
+            logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
         client.start()
+        heartbeat = asyncio.get_running_loop().create_task(keep_leases(services))
         try:
             yield
         finally:
+            heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await heartbeat
             await services.drain()
             if engine is None:
                 client.shutdown()
@@ -115,9 +157,14 @@ def create_app(
             "services": Provide(provide_services, sync_to_thread=False),
             "db_session": Provide(provide_db_session),
         },
-        middleware=[DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS])],
+        middleware=[
+            refuse_nul_bytes,
+            DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS]),
+        ],
+        before_send=[add_security_headers],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="pagewise", version="0.1.0", path="/schema"),
+        openapi_config=openapi_config(),
+        on_startup=[describe_errors],
     )

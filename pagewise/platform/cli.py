@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pagewise.platform.errors import APIError
+from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.settings import EngineSettings, Settings, SettingsError
 
+_DURATION = re.compile(r"(\d+)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _QUOTA_FLAGS = {
     "requests_per_minute": "--rpm",
     "tokens_per_minute": "--tpm",
@@ -62,13 +66,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key_create.add_argument("--tenant", required=True, help="tenant name")
     key_create.add_argument("--scope", action="append", choices=["inference", "admin"], dest="scopes")
     key_create.add_argument("--name", default="")
+    key_create.add_argument(
+        "--expires",
+        help="when the key stops working: an ISO-8601 date or datetime (UTC unless it has an offset),"
+        " or a duration from now such as 30d, 12h or 90m",
+    )
     key_create.set_defaults(func=_sync(_keys_create))
-    key_list = keys.add_parser("list", help="list keys (never their secrets)")
+    key_list = keys.add_parser("list", help="list keys (never their secrets) with their status and expiry")
     key_list.add_argument("--tenant", help="tenant name")
     key_list.set_defaults(func=_sync(_keys_list))
     revoke = keys.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=_sync(_keys_revoke))
+    rotate = keys.add_parser("rotate", help="replace a key by a new one (printed once) with its name and scopes")
+    rotate.add_argument("key_id")
+    rotate.add_argument(
+        "--grace-period",
+        default="0",
+        help="how long the old key keeps working, e.g. 30m or 1h (default 0: revoked at once; at most 7d)",
+    )
+    rotate.set_defaults(func=_sync(_keys_rotate))
 
 
 def _add_quota_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +162,31 @@ def _sync(
     return run
 
 
+def parse_duration(value: str, flag: str) -> dt.timedelta:
+    """`0` or a whole number of s, m, h or d (`90m`, `12h`, `30d`); a 400 naming `flag` otherwise."""
+    text = value.strip()
+    if text == "0":
+        return dt.timedelta(0)
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise invalid_request(f"{flag} must be a duration such as 90m, 12h or 30d; got {value!r}", param=flag)
+    return dt.timedelta(seconds=int(match.group(1)) * _UNIT_S[match.group(2)])
+
+
+def parse_expiry(value: str, now: dt.datetime) -> dt.datetime:
+    """`--expires`: a duration from `now`, or an ISO-8601 date or datetime (naive means UTC)."""
+    if _DURATION.fullmatch(value.strip()):
+        return now + parse_duration(value, "--expires")
+    try:
+        return dt.datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise invalid_request(
+            "--expires must be an ISO-8601 date or datetime (2030-01-31, 2030-01-31T12:00:00+02:00)"
+            f" or a duration such as 30d, 12h or 90m; got {value!r}",
+            param="--expires",
+        ) from None
+
+
 def _quota_values(args: argparse.Namespace) -> dict[str, int | None]:
     given = {f: getattr(args, f) for f in _QUOTA_FLAGS if getattr(args, f) is not None}
     return {f: None if v < 0 else v for f, v in given.items()}
@@ -180,41 +222,69 @@ async def _tenants_update(session: Any, args: argparse.Namespace) -> None:
 
 
 async def _keys_create(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.db.models import utcnow
     from pagewise.platform.keys.schemas import KeyCreate
     from pagewise.platform.keys.service import KeyService
     from pagewise.platform.tenants.service import TenantService
 
+    expires_at = parse_expiry(args.expires, utcnow()) if args.expires else None
     tenant = await TenantService(session).get_by_name(args.tenant)
     created = await KeyService(session).create(
-        tenant.id, KeyCreate(name=args.name, scopes=args.scopes or ["inference"])
+        tenant.id, KeyCreate(name=args.name, scopes=args.scopes or ["inference"], expires_at=expires_at)
     )
     print(created.key)
     print(
-        f"(key {created.id} for tenant {tenant.name}, scopes {','.join(created.scopes)}; shown only once)",
+        f"(key {created.id} for tenant {tenant.name}, scopes {','.join(created.scopes)},"
+        f" expires {_expiry_text(created.expires_at)}; shown only once)",
         file=sys.stderr,
     )
 
 
+def _expiry_text(expires_at: dt.datetime | None) -> str:
+    from pagewise.platform.db.models import as_utc
+
+    return as_utc(expires_at).isoformat(timespec="seconds") if expires_at else "never"
+
+
 async def _keys_list(session: Any, args: argparse.Namespace) -> None:
-    from pagewise.platform.keys.service import KeyService
+    from pagewise.platform.keys.service import KeyService, key_out
     from pagewise.platform.tenants.service import TenantService
 
     tenant_id = (await TenantService(session).get_by_name(args.tenant)).id if args.tenant else None
-    for key in await KeyService(session).list(tenant_id):
-        state = "revoked" if key.revoked_at else "active"
-        print(f"{key.id}  pw_{key.prefix}_…  tenant={key.tenant_id}  scopes={','.join(key.scopes)}  {state}")
+    for key in map(key_out, await KeyService(session).list(tenant_id)):
+        print(
+            f"{key.id}  pw_{key.prefix}_…  name={key.name!r}  tenant={key.tenant_id}"
+            f"  scopes={','.join(key.scopes)}  {key.status}  expires={_expiry_text(key.expires_at)}"
+        )
+
+
+async def _key_by_id(session: Any, key_id: str) -> Any:
+    from pagewise.platform.db.models import ApiKey
+    from pagewise.platform.errors import not_found
+
+    key = await session.get(ApiKey, key_id)
+    if key is None:
+        raise not_found("API key", key_id)
+    return key
 
 
 async def _keys_revoke(session: Any, args: argparse.Namespace) -> None:
-    from pagewise.platform.db.models import ApiKey
-    from pagewise.platform.errors import not_found
     from pagewise.platform.keys.service import KeyService
 
-    key = await session.get(ApiKey, args.key_id)
-    if key is None:
-        raise not_found("API key", args.key_id)
+    key = await _key_by_id(session, args.key_id)
     await KeyService(session).revoke(key.tenant_id, key.id)
     print(f"revoked {key.id}")
+
+
+async def _keys_rotate(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.keys.service import KeyService
+
+    grace = parse_duration(args.grace_period, "--grace-period")
+    key = await _key_by_id(session, args.key_id)
+    created = await KeyService(session).rotate(key.tenant_id, key.id, int(grace.total_seconds()))
+    print(created.key)
+    old = f"works until {_expiry_text(key.expires_at)}" if grace else "is revoked"
+    print(f"(key {created.id} replaces {key.id}, which {old}; the new key is shown only once)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

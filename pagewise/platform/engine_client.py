@@ -8,6 +8,7 @@ can be serialized onto a stream unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -63,9 +64,18 @@ class EngineClient(Protocol):
         ...
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, tenant_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant_id: str,
+        usage: concurrent.futures.Future | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """Deltas for one request. Leaving the iterator early aborts the request and frees its blocks."""
+        """Deltas for one request. Leaving the iterator early aborts the request and frees its blocks.
+
+        Once iteration has begun, `usage` is resolved exactly once with what the engine computed for the request
+        (`prompt_tokens`, `cached_tokens`, `completion_tokens`) when it leaves the engine for any reason.
+        """
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -73,6 +83,9 @@ class EngineClient(Protocol):
     def stats(self) -> dict[str, float | int]: ...
 
     def is_ready(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
 
     def start(self) -> None: ...
 
@@ -98,9 +111,16 @@ class InProcessEngineClient:
         self._engine.engine.process_prompt(prompt_token_ids, params)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, tenant_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant_id: str,
+        usage: concurrent.futures.Future | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        stream = self._engine.generate(prompt_token_ids, params, request_id=request_id, tenant_id=tenant_id)
+        stream = self._engine.generate(
+            prompt_token_ids, params, request_id=request_id, tenant_id=tenant_id, usage=usage
+        )
         try:
             async for output in stream:
                 yield _delta(output, params.logprobs)
@@ -114,7 +134,13 @@ class InProcessEngineClient:
         return self._engine.stats()
 
     def is_ready(self) -> bool:
-        return True  # the constructor loaded the model
+        """The model is loaded (the constructor did it) and the engine's loop has not died."""
+        return self._engine.error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine's loop died; `None` while it is healthy."""
+        return self._engine.error
 
     def start(self) -> None:
         self._engine.start()

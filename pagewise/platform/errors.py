@@ -97,6 +97,11 @@ def http_error_handler(_: Request, exc: HTTPException) -> Response[ErrorBody]:
     return error_response(APIError(exc.status_code, exc.detail, code=code, headers=exc.headers))
 
 
+def nesting_error_handler(_: Request, exc: RecursionError) -> Response[ErrorBody]:
+    """msgspec refuses JSON nested deeper than it can decode with a `RecursionError`: the body's fault."""
+    return error_response(APIError(400, "The JSON body is nested too deeply", code="invalid_request"))
+
+
 def as_api_error(exc: Exception, where: str) -> APIError:
     """The error a caller sees for `exc`: an `APIError` as it is, anything else a logged, opaque 500."""
     if isinstance(exc, APIError):
@@ -113,5 +118,6 @@ EXCEPTION_HANDLERS = {
     APIError: api_error_handler,
     ValidationException: validation_error_handler,
     HTTPException: http_error_handler,
+    RecursionError: nesting_error_handler,
     Exception: internal_error_handler,
 }

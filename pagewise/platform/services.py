@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class PlatformServices:
-    """Long-lived parts of one app. `running` maps an async request's id to its job while its task runs."""
+    """Long-lived parts of one app. `live` maps every admitted, not yet settled request's id to its job;
+    `running` the async requests among them while their task runs."""
 
     settings: Settings
     engine: EngineClient
@@ -34,8 +36,13 @@ class PlatformServices:
     requests: RequestStore
     metrics: PlatformMetrics
     started_at: int = field(default_factory=lambda: int(time.time()))
+    live: dict[str, InferenceJob] = field(default_factory=dict)
     running: dict[str, InferenceJob] = field(default_factory=dict)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def lease_expiry(self) -> dt.datetime:
+        """When a row admitted or renewed now stops being this process's, unless renewed again."""
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.quotas.lease_s)
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coroutine` in the background, holding a reference until it ends (shutdown awaits it)."""

@@ -58,6 +58,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     quota_lease_s: float = 600.0
     auto_migrate: bool = True
     otel_exporter_otlp_endpoint: str | None = None
+    admin_key: str | None = None
+    """`PAGEWISE_ADMIN_KEY`: on an empty database, the bootstrap admin key (`pw_<prefix>_<secret>`) to store."""
+    metrics_token: str | None = None
+    """`PAGEWISE_METRICS_TOKEN`: a bearer token that may read `/metrics` (admin keys always may)."""
 
     @property
     def is_embedded(self) -> bool:

@@ -1,12 +1,14 @@
-"""Unauthenticated operational routes: `/health` (liveness), `/ready` (model and database), `/metrics`."""
+"""Operational routes: `/health` (liveness) and `/ready` (model and database) are public; `/metrics` needs
+the metrics token (`PAGEWISE_METRICS_TOKEN`) or an admin key as its bearer."""
 
 from __future__ import annotations
 
 import msgspec
-from litestar import Response, get
+from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
+from pagewise.platform.keys.auth import authorize_metrics
 from pagewise.platform.services import Services
 
 
@@ -42,5 +44,8 @@ async def ready(services: Services) -> Response[Readiness]:
 
 
 @get("/metrics", tags=["system"], media_type=CONTENT_TYPE_LATEST)
-async def metrics(services: Services) -> Response[bytes]:
+async def metrics(request: Request, services: Services) -> Response[bytes]:
+    """Prometheus text; 401 without the metrics token or an API key, 403 for a key without `admin`."""
+    async with services.sessionmaker() as session:
+        await authorize_metrics(session, request.headers.get("authorization"), services.settings.metrics_token)
     return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

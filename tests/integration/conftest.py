@@ -16,6 +16,7 @@ import redis.asyncio as redis
 from pagewise.platform.app import create_app
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.engine_client import InProcessEngineClient
+from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
@@ -143,8 +144,9 @@ def llm_engine() -> Iterator[InProcessEngineClient]:
 
 @pytest.fixture
 def platform_quota_store() -> QuotaStore:
-    """The store the `platform` app uses: in-process here; quota suites override it with both stores."""
-    return InProcessQuotaStore()
+    """The store the `platform` app uses: in-process on a frozen clock (a test's windows never roll over, so
+    its reserved and reconciled tokens stay comparable); quota suites override it with both stores."""
+    return InProcessQuotaStore(lambda: FROZEN_NOW)
 
 
 @pytest.fixture
@@ -152,7 +154,8 @@ async def platform(
     database_url: str, llm_engine: InProcessEngineClient, platform_quota_store: QuotaStore
 ) -> AsyncIterator[Platform]:
     """The app on each database, driven over ASGI in the test's loop (so concurrent requests overlap)."""
-    settings = Settings.from_env({}, database_url=database_url, auto_migrate=False)
+    # a chosen bootstrap key: the app never writes a generated one anywhere (a terminal, a file) in tests
+    settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key)
     app = create_app(settings, engine=llm_engine, quotas=platform_quota_store)
     async with app.lifespan():
         transport = httpx.ASGITransport(app=app)

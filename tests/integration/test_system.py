@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from pagewise.platform.app import create_app
+from pagewise.platform.engine_client import InProcessEngineClient
+from pagewise.platform.keys.key_format import generate_key
+from pagewise.platform.quotas.memory_store import InProcessQuotaStore
+from pagewise.platform.settings import Settings
+
 from .harness import MODEL, Platform, bearer
+
+METRICS_TOKEN = "metrics-" + "t" * 40
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +31,7 @@ async def test_metrics_and_admin_views(platform: Platform) -> None:
     await platform.http.post(
         "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, headers=bearer(key)
     )
-    text = (await platform.http.get("/metrics")).text
+    text = (await platform.http.get("/metrics", headers=bearer(platform.admin_key))).text
     for name in (
         "pagewise:num_requests_running",
         "pagewise:kv_cache_usage_perc",
@@ -69,3 +78,32 @@ async def test_metrics_and_admin_views(platform: Platform) -> None:
         any(t["tenant_id"] == tenant["id"] for t in overview["top_tenants"])
         or len(overview["top_tenants"]) == 5
     )
+
+
+async def test_metrics_need_an_admin_key(platform: Platform) -> None:
+    """No or a wrong bearer is a 401; a valid key without the admin scope is a 403, as on admin routes."""
+    _, inference_key = await platform.tenant_with_key()
+    for headers in ({}, {"Authorization": "Basic abc"}, bearer("not-the-token"), bearer(inference_key[:-2] + "xx")):
+        response = await platform.http.get("/metrics", headers=headers)
+        assert response.status_code == 401, headers
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+    refused = await platform.http.get("/metrics", headers=bearer(inference_key))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_scope"
+    allowed = await platform.http.get("/metrics", headers=bearer(platform.admin_key))
+    assert allowed.status_code == 200 and "pagewise:num_requests_running" in allowed.text
+
+
+async def test_metrics_token(database_url: str, llm_engine: InProcessEngineClient) -> None:
+    settings = Settings.from_env(
+        {}, database_url=database_url, auto_migrate=False, metrics_token=METRICS_TOKEN, admin_key=generate_key().key
+    )
+    app = create_app(settings, engine=llm_engine, quotas=InProcessQuotaStore())
+    async with app.lifespan():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            allowed = await http.get("/metrics", headers=bearer(METRICS_TOKEN))
+            assert allowed.status_code == 200 and "pagewise:num_requests_running" in allowed.text
+            for wrong in (METRICS_TOKEN[:-1], METRICS_TOKEN + "x", ""):
+                assert (await http.get("/metrics", headers=bearer(wrong))).status_code == 401
+            assert (await http.get("/health")).status_code == 200

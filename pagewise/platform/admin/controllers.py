@@ -1,4 +1,7 @@
-"""`/admin/usage`, `/admin/requests`, `/admin/engine`, `/admin/overview` (admin scope)."""
+"""`/admin/usage`, `/admin/requests`, `/admin/engine`, `/admin/overview` (admin scope).
+
+Query parameters are validated before any read: a bad one is a 400 naming it, never a 500 or an empty page.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,17 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, get
-from litestar.params import FromQuery, QueryParameter
-from sqlalchemy import func, select
+from litestar.params import FromPath, FromQuery, QueryParameter
+from sqlalchemy import ColumnElement, func, or_, select
 
-from pagewise.platform.db.models import ApiKey, RequestRecord, Tenant
+from pagewise.platform.db.models import ApiKey, RequestRecord, RequestStatus, Tenant, as_utc, utcnow
 from pagewise.platform.db.session import DbSession
+from pagewise.platform.errors import invalid_request, not_found
 from pagewise.platform.keys.auth import requires_scope
-from pagewise.platform.requests.schemas import RequestList, request_page
+from pagewise.platform.requests.schemas import RequestList, RequestOut, request_out, request_page
+from pagewise.platform.requests.store import newest_first
 from pagewise.platform.services import Services
-from pagewise.platform.usage.service import BucketWidth, GroupField, UsagePage, usage_page
+from pagewise.platform.usage.service import BucketWidth, GroupField, UnixTime, UsagePage, usage_page
 
 DEFAULT_RANGE_S = 7 * 86400
 TOP_TENANTS = 5
@@ -48,6 +53,17 @@ class Overview(msgspec.Struct, kw_only=True):
     engine: dict[str, Any]
 
 
+def _utc(moment: dt.datetime | None, param: str) -> dt.datetime | None:
+    """`moment` in UTC (naive means UTC already): the stored datetimes compare only with UTC ones."""
+    if moment is None:
+        return None
+    try:
+        return as_utc(moment).astimezone(dt.UTC)
+    except OverflowError:
+        message = f"{param} is out of range: in UTC it falls outside the years 1 to 9999"
+        raise invalid_request(message, param=param) from None
+
+
 class AdminController(Controller):
     path = "/admin"
     guards = [requires_scope("admin")]
@@ -57,8 +73,8 @@ class AdminController(Controller):
     async def usage(
         self,
         db_session: DbSession,
-        start_time: FromQuery[int | None] = None,
-        end_time: FromQuery[int | None] = None,
+        start_time: UnixTime = None,
+        end_time: UnixTime = None,
         bucket_width: FromQuery[BucketWidth] = "1d",
         group_by: FromQuery[list[GroupField] | None] = None,
         tenant_id: FromQuery[str | None] = None,
@@ -78,22 +94,34 @@ class AdminController(Controller):
         self,
         db_session: DbSession,
         tenant_id: FromQuery[str | None] = None,
-        status: FromQuery[str | None] = None,
+        status: FromQuery[RequestStatus | None] = None,
         since: FromQuery[dt.datetime | None] = None,
         until: FromQuery[dt.datetime | None] = None,
         after: FromQuery[str | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
     ) -> RequestList:
-        query = select(RequestRecord).order_by(RequestRecord.id.desc()).limit(limit + 1)
-        filters = [
-            RequestRecord.tenant_id == tenant_id if tenant_id else None,
-            RequestRecord.status == status if status else None,
-            RequestRecord.queued_at >= since if since else None,
-            RequestRecord.queued_at < until if until else None,
-            RequestRecord.id < after if after else None,
-        ]
-        query = query.where(*(f for f in filters if f is not None))
-        return request_page(list((await db_session.scalars(query)).all()), limit)
+        """All tenants' requests, newest first; `since`/`until` bound `queued_at` (no offset means UTC)."""
+        since, until = _utc(since, "since"), _utc(until, "until")
+        if since is not None and until is not None and until <= since:
+            raise invalid_request("until must be after since", param="until")
+        filters: list[ColumnElement[bool]] = []
+        if tenant_id:
+            filters.append(RequestRecord.tenant_id == tenant_id)
+        if status is not None:
+            filters.append(RequestRecord.status == status.value)
+        if since is not None:
+            filters.append(RequestRecord.queued_at >= since)
+        if until is not None:
+            filters.append(RequestRecord.queued_at < until)
+        rows = await newest_first(db_session, select(RequestRecord), after=after, limit=limit, filters=filters)
+        return request_page(rows, limit)
+
+    @get("/requests/{request_id:str}")
+    async def get_request(self, request_id: FromPath[str], db_session: DbSession) -> RequestOut:
+        row = await db_session.get(RequestRecord, request_id)
+        if row is None:
+            raise not_found("request", request_id)
+        return request_out(row)
 
     @get("/engine")
     async def engine(self, services: Services) -> EngineView:
@@ -132,7 +160,9 @@ class AdminController(Controller):
             )
         ).all()
         active_keys = await db_session.scalar(
-            select(func.count()).select_from(ApiKey).where(ApiKey.revoked_at.is_(None))
+            select(func.count())
+            .select_from(ApiKey)
+            .where(ApiKey.revoked_at.is_(None), or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > utcnow()))
         )
         return Overview(
             tenants=await db_session.scalar(select(func.count()).select_from(Tenant)) or 0,

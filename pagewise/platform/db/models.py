@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Date, DateTime, ForeignKey, Index, Integer, String, Text
@@ -16,6 +17,20 @@ def utcnow() -> dt.datetime:
 def as_utc(value: dt.datetime) -> dt.datetime:
     """SQLite hands back naive datetimes; everything stored is UTC."""
     return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
+class RequestStatus(enum.StrEnum):
+    """A request row's status: `queued` → `running` → one terminal status, never changed afterwards."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+UNFINISHED_STATUSES = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+"""The statuses a row may still leave; every final write is guarded on them."""
 
 
 class Base(DeclarativeBase):
@@ -58,11 +73,16 @@ class ApiKey(Base):
 
 
 class RequestRecord(Base):
-    """One API request (sync, streamed or async). Written on accept, on first token and on finish only."""
+    """One API request (sync, streamed or async). Written on accept, on first token and on finish only
+    (plus lease renewals). Listings run newest first on `(queued_at, id)`, a total order an index serves.
+
+    `lease_expires_at` is `None` for rows owned by an embedded (single-process) server; otherwise an
+    unfinished row whose lease has passed lost its process and is failed by the orphan sweep.
+    """
 
     __tablename__ = "requests"
     __table_args__ = (
-        Index("ix_requests_tenant_id_id", "tenant_id", "id"),
+        Index("ix_requests_tenant_id_queued_at_id", "tenant_id", "queued_at", "id"),
         Index("ix_requests_status", "status"),
         Index("ix_requests_queued_at", "queued_at"),
     )
@@ -74,7 +94,7 @@ class RequestRecord(Base):
     model: Mapped[str] = mapped_column(String(200))
     input: Mapped[dict[str, Any]]  # {"messages": [...]} or {"prompt": ...}
     params: Mapped[dict[str, Any]]  # sampling parameters as sent to the engine
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=RequestStatus.QUEUED.value)  # a RequestStatus
     output: Mapped[list[Any] | None]  # [{"index", "text", "finish_reason"}, ...]
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     prompt_tokens: Mapped[int] = mapped_column(default=0)
@@ -85,6 +105,7 @@ class RequestRecord(Base):
     started_at: Mapped[dt.datetime | None]
     first_token_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
+    lease_expires_at: Mapped[dt.datetime | None]
 
 
 class UsageDaily(Base):

@@ -13,9 +13,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 
 def create_db_engine(url: str) -> AsyncEngine:
-    """An async engine; SQLite gets foreign keys on and a busy timeout so concurrent writers wait."""
+    """An async engine; SQLite gets foreign keys on and a busy timeout so concurrent writers wait.
+
+    Statement parameters (prompts, outputs) never appear in SQLAlchemy's errors or logs: `hide_parameters`.
+    """
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -25,7 +28,7 @@ def create_db_engine(url: str) -> AsyncEngine:
             cursor.close()
 
         return engine
-    return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, hide_parameters=True)
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

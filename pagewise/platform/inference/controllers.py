@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, Response, get, post
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath
 
+from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.errors import APIError
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
@@ -35,13 +36,14 @@ class InferenceController(Controller):
     @post("/chat/completions", status_code=200)
     async def chat_completions(
         self,
-        data: JSONBody[ChatCompletionRequest],
+        data: StrictBody[ChatCompletionRequest],
         request: Request[Principal, str, object],
         services: Services,
     ) -> Response[ChatCompletion]:
         """OpenAI Chat Completions; `stream: true` answers with server-sent events ending in `[DONE]`."""
+        body = parse_body(data, ChatCompletionRequest)
         job = await InferenceJob.admit(
-            services, request.user, prepare_chat(data, request.user, services.engine)
+            services, request.user, await prepare_chat(body, request.user, services.engine)
         )
         if job.prepared.stream:
             return SettlingStream(job, chat_events)
@@ -50,13 +52,14 @@ class InferenceController(Controller):
     @post("/completions", status_code=200)
     async def completions(
         self,
-        data: JSONBody[CompletionRequest],
+        data: StrictBody[CompletionRequest],
         request: Request[Principal, str, object],
         services: Services,
     ) -> Response[Completion]:
         """OpenAI (legacy) Completions; `prompt` may be a string, strings, token ids or lists of token ids."""
+        body = parse_body(data, CompletionRequest)
         job = await InferenceJob.admit(
-            services, request.user, prepare_completion(data, request.user, services.engine)
+            services, request.user, await prepare_completion(body, request.user, services.engine)
         )
         if job.prepared.stream:
             return SettlingStream(job, completion_events)

@@ -10,13 +10,18 @@ Invariants:
   reconciles the quota to the billed tokens; every later call only waits for that write.
 - Whoever hands a job to something that may never run it (a streaming response, a background task) also
   arranges for `finish("cancelled")` if that never happens: `SettlingStream` and `start_in_background`.
-- Billed tokens are what the engine really counted: each prompt that reached the engine plus every token it
-  generated, even for a cancelled request.
+- Billed tokens are what the engine really computed, always: the prompt tokens it processed (a prefill cut short
+  by a disconnect bills the chunks that ran) plus every token it generated — also those generated between a
+  client's disconnect and the engine seeing the abort. The engine reports that count once per prompt, when the
+  request leaves it for any reason (`usage` futures); the final write waits for those reports.
+- While a job is live (`services.live`), the lease heartbeat (`leases.py`) keeps its quota lease and its row's
+  lease fresh; a process that dies stops renewing, so its slots come back and its rows are failed as orphans.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import logging
 import time
@@ -24,13 +29,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from pagewise.engine.async_engine import EngineDeadError
 from pagewise.engine.errors import InvalidRequestError
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.engine_client import ChoiceDelta, GenerationDelta, PositionLogprobs
-from pagewise.platform.errors import invalid_request
+from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
+from pagewise.platform.quotas.admission import never_fits
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
 from pagewise.platform.quotas.quota_store import Reservation
 from pagewise.platform.requests.store import FinishedRequest
@@ -39,6 +46,7 @@ from pagewise.platform.services import PlatformServices
 logger = logging.getLogger(__name__)
 _ID_PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
+USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
 
 
 @dataclass(slots=True)
@@ -56,11 +64,25 @@ class ChoiceState:
         return "".join(self.text)
 
 
+@dataclass(slots=True, frozen=True)
+class Billed:
+    """Tokens the engine computed for a job: what its row, its usage and its quota reconciliation record."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 @dataclass(slots=True)
 class _PromptState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reached_engine: bool = False
+    report: concurrent.futures.Future | None = None  # the engine's final usage for this prompt
 
 
 class InferenceJob:
@@ -88,19 +110,24 @@ class InferenceJob:
         self._first_token_at: dt.datetime | None = None
         self._persisting: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._lease_renewed = self._start  # monotonic time of the reservation or its latest renewal
+        self._billed: Billed | None = None
 
     @classmethod
     async def admit(
         cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest
     ) -> InferenceJob:
-        """Reserve quota (429 when refused), then persist the `queued` row."""
+        """Reserve quota (400 if it can never fit, 429 when refused now), then persist the `queued` row."""
         request_id = new_id(_ID_PREFIX[prepared.endpoint])
-        tokens = prepared.reserved_tokens
-        decision = await services.quotas.reserve(principal.tenant_id, principal.limits, tokens, request_id)
+        tokens, slots = prepared.reserved_tokens, prepared.num_sequences
+        refusal = never_fits(principal.limits, tokens, slots)
+        if refusal is not None:
+            raise refusal
+        decision = await services.quotas.reserve(
+            principal.tenant_id, principal.limits, tokens, request_id, slots=slots
+        )
         if decision.reservation is None:
             services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
-            raise quota_exceeded(decision, tokens)
+            raise quota_exceeded(decision, tokens, slots)
         record = RequestRecord(
             id=request_id,
             tenant_id=principal.tenant_id,
@@ -110,22 +137,27 @@ class InferenceJob:
             input=prepared.input,
             params=prepared.params_record(),
             status="queued",
+            lease_expires_at=services.lease_expiry(),
         )
         try:
             await services.requests.create(record)
         except BaseException:
             await services.quotas.reconcile(decision.reservation, 0)
             raise
-        return cls(
-            services, principal, prepared, request_id, decision.reservation, rate_limit_headers(decision)
-        )
+        job = cls(services, principal, prepared, request_id, decision.reservation, rate_limit_headers(decision))
+        services.live[request_id] = job
+        return job
 
     @property
-    def usage(self) -> tuple[int, int, int]:
-        """(prompt, completion, cached) tokens the engine counted so far."""
-        prompt = sum(p.prompt_tokens for p in self._prompts if p.reached_engine)
-        cached = sum(p.cached_tokens for p in self._prompts if p.reached_engine)
-        return prompt, sum(c.num_tokens for c in self.choices.values()), cached
+    def usage(self) -> Billed:
+        """Tokens billed: the engine's final count once settled, before that what its deltas reported."""
+        if self._billed is not None:
+            return self._billed
+        return Billed(
+            prompt_tokens=sum(p.prompt_tokens for p in self._prompts if p.reached_engine),
+            completion_tokens=sum(c.num_tokens for c in self.choices.values()),
+            cached_tokens=sum(p.cached_tokens for p in self._prompts if p.reached_engine),
+        )
 
     @property
     def settled(self) -> bool:
@@ -159,6 +191,9 @@ class InferenceJob:
         except InvalidRequestError as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise invalid_request(str(exc)) from None
+        except EngineDeadError as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise APIError(503, "The inference engine is unavailable", code="engine_unavailable") from exc
         except Exception as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
@@ -204,15 +239,21 @@ class InferenceJob:
         await self.finish("cancelled", None)
 
     def _engine_deltas(self) -> AsyncIterator[tuple[int, GenerationDelta]]:
+        return _merge([self._submit(i) for i in range(len(self.prepared.prompts))])
+
+    async def _submit(self, prompt_index: int) -> AsyncIterator[GenerationDelta]:
+        """One prompt's deltas. Its usage report exists only once the engine was actually asked (a stream closed
+        before its first step never reaches the engine, and bills nothing)."""
         engine, tenant = self.services.engine, self.principal.tenant_id  # the salt comes from the key only
-        streams = [
-            engine.generate(prompt, self.prepared.params, f"{self.id}-{i}", tenant)
-            for i, prompt in enumerate(self.prepared.prompts)
-        ]
-        return _merge(streams)
+        state = self._prompts[prompt_index]
+        state.report = concurrent.futures.Future()
+        prompt = self.prepared.prompts[prompt_index]
+        stream = engine.generate(prompt, self.prepared.params, f"{self.id}-{prompt_index}", tenant, state.report)
+        async with aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
 
     def _record(self, prompt_index: int, delta: GenerationDelta) -> None:
-        self._renew_lease_if_due()
         prompt = self._prompts[prompt_index]
         prompt.reached_engine = True
         prompt.prompt_tokens, prompt.cached_tokens = delta.prompt_tokens, delta.cached_tokens
@@ -230,13 +271,6 @@ class InferenceJob:
                 self.services.spawn(
                     self.services.requests.mark_running(self.id, self._started_at, self._first_token_at)
                 )
-
-    def _renew_lease_if_due(self) -> None:
-        """A request still producing tokens renews its quota lease once half of it has passed."""
-        now = time.monotonic()
-        if now - self._lease_renewed >= self.services.quotas.lease_s / 2:
-            self._lease_renewed = now
-            self.services.spawn(self.services.quotas.renew(self.reservation))
 
     async def finish(self, status: str, error: str | None) -> None:
         """Exactly once: the final row, the day's usage, the quota reconciliation and the metrics.
@@ -256,8 +290,26 @@ class InferenceJob:
         if self._persisting is not None:
             await asyncio.shield(self._persisting)
 
+    async def _engine_report(self) -> Billed:
+        """The engine's own count of what it computed, summed over the prompts that reached it."""
+        reports = [p.report for p in self._prompts if p.report is not None]
+        if not reports:
+            return Billed()
+        try:
+            usages = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(r) for r in reports)), USAGE_REPORT_TIMEOUT_S
+            )
+        except Exception:  # noqa: BLE001 - a dead or hung engine: bill what its deltas reported
+            logger.exception("request %s: no usage report from the engine; billing the streamed counts", self.id)
+            return self.usage
+        return Billed(
+            prompt_tokens=sum(u.prompt_tokens for u in usages),
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            cached_tokens=sum(u.cached_tokens for u in usages),
+        )
+
     async def _persist(self, status: str, error: str | None) -> None:
-        prompt_tokens, completion_tokens, cached_tokens = self.usage
+        billed = self._billed = await self._engine_report()
         ordered = [self.choices[i] for i in sorted(self.choices)]
         result = FinishedRequest(
             status=status,
@@ -265,9 +317,9 @@ class InferenceJob:
                 {"index": c.index, "text": c.full_text, "finish_reason": c.finish_reason} for c in ordered
             ],
             finish_reason=ordered[0].finish_reason,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=cached_tokens,
+            prompt_tokens=billed.prompt_tokens,
+            completion_tokens=billed.completion_tokens,
+            cached_tokens=billed.cached_tokens,
             error=error,
             started_at=self._started_at,
             first_token_at=self._first_token_at,
@@ -278,22 +330,23 @@ class InferenceJob:
                 self.id, self.principal.tenant_id, self.prepared.model, result
             )
         finally:
-            await self.services.quotas.reconcile(self.reservation, prompt_tokens + completion_tokens)
-            self._observe(status, prompt_tokens, completion_tokens, cached_tokens)
+            self.services.live.pop(self.id, None)
+            await self.services.quotas.reconcile(self.reservation, billed.total)
+            self._observe(status, billed)
 
-    def _observe(self, status: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+    def _observe(self, status: str, billed: Billed) -> None:
         m, tenant, endpoint = self.services.metrics, self.principal.tenant_id, self.prepared.endpoint
         now = time.monotonic()
         m.requests.labels(tenant, endpoint, status).inc()
-        m.tokens.labels(tenant, "prompt").inc(prompt_tokens)
-        m.tokens.labels(tenant, "completion").inc(completion_tokens)
-        m.tokens.labels(tenant, "cached").inc(cached_tokens)
+        m.tokens.labels(tenant, "prompt").inc(billed.prompt_tokens)
+        m.tokens.labels(tenant, "completion").inc(billed.completion_tokens)
+        m.tokens.labels(tenant, "cached").inc(billed.cached_tokens)
         m.e2e_latency.labels(endpoint).observe(now - self._start)
         if self._first_token is not None:
             m.ttft.labels(endpoint).observe(self._first_token - self._start)
-            if completion_tokens > len(self.choices):
+            if billed.completion_tokens > len(self.choices):
                 m.tpot.labels(endpoint).observe(
-                    (now - self._first_token) / (completion_tokens - len(self.choices))
+                    (now - self._first_token) / (billed.completion_tokens - len(self.choices))
                 )
 
 

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
+
 from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.platform.engine_client import EngineClient
@@ -34,6 +36,11 @@ class PreparedRequest:
     include_usage: bool
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: each prompt's `n` samples."""
+        return len(self.prompts) * self.params.n
+
+    @property
     def reserved_tokens(self) -> int:
         """What admission reserves: every prompt plus `max_tokens` for each of its `n` samples."""
         return sum(len(p) + self.params.n * self.params.max_tokens for p in self.prompts)
@@ -44,22 +51,25 @@ class PreparedRequest:
         return record
 
 
-def prepare_chat(body: ChatCompletionRequest, principal: Principal, engine: EngineClient) -> PreparedRequest:
+async def prepare_chat(
+    body: ChatCompletionRequest, principal: Principal, engine: EngineClient
+) -> PreparedRequest:
     _check_model(body.model, engine)
     if not body.messages:
         raise invalid_request("messages must contain at least one message", param="messages")
-    messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
-    try:
-        prompt = engine.encode_chat(messages)
-    except ValueError as error:
-        raise invalid_request(
-            f"messages cannot be rendered by the chat template: {error}", "messages"
-        ) from None
+    _check_sequences(principal, 1, body.n)
     logprobs = None
     if body.logprobs:
         logprobs = body.top_logprobs or 0
     elif body.top_logprobs is not None:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
+    try:
+        prompt = await anyio.to_thread.run_sync(engine.encode_chat, messages)
+    except ValueError as error:
+        raise invalid_request(
+            f"messages cannot be rendered by the chat template: {error}", "messages"
+        ) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(
         body, [prompt], principal, engine, max_tokens, default_max_tokens=None, logprobs=logprobs
@@ -75,13 +85,15 @@ def prepare_chat(body: ChatCompletionRequest, principal: Principal, engine: Engi
     )
 
 
-def prepare_completion(
+async def prepare_completion(
     body: CompletionRequest, principal: Principal, engine: EngineClient
 ) -> PreparedRequest:
     _check_model(body.model, engine)
-    prompts = [p if isinstance(p, list) else engine.encode(p) for p in _split_prompts(body.prompt)]
-    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
-        raise invalid_request("logprobs must be between 0 and 5", param="logprobs")
+    split = _split_prompts(body.prompt)
+    _check_sequences(principal, len(split), body.n)
+    texts = [p for p in split if isinstance(p, str)]
+    encoded = iter(await anyio.to_thread.run_sync(_encode_all, engine, texts) if texts else ())
+    prompts = [p if isinstance(p, list) else next(encoded) for p in split]
     params = _sampling_params(
         body,
         prompts,
@@ -96,6 +108,10 @@ def prepare_completion(
     )
 
 
+def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
+    return [engine.encode(text) for text in texts]
+
+
 def _check_model(model: str, engine: EngineClient) -> None:
     if model != engine.model_name:
         raise APIError(
@@ -104,6 +120,20 @@ def _check_model(model: str, engine: EngineClient) -> None:
             code="model_not_found",
             param="model",
         )
+
+
+def _check_sequences(principal: Principal, num_prompts: int, n: int) -> None:
+    """Every prompt runs `n` sequences: their product counts against the tenant's `max_n` (checked before any
+    tokenization, so an over-limit request costs the server nothing)."""
+    if principal.max_n is None or num_prompts * n <= principal.max_n:
+        return
+    if num_prompts == 1:
+        raise invalid_request(f"n={n} exceeds this tenant's limit of {principal.max_n}", param="n")
+    raise invalid_request(
+        f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences exceed this tenant's limit of "
+        f"{principal.max_n} (max_n counts every prompt's samples)",
+        param="prompt",
+    )
 
 
 def _include_usage(body: _SamplingFields) -> bool:
@@ -115,26 +145,77 @@ def _message_text(content: str | list[dict[str, Any]] | None, index: int) -> str
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid_request("only text content parts are supported", param=f"messages[{index}].content")
+        if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+            raise invalid_request(
+                "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                param=f"messages[{index}].content",
+            )
         parts.append(part["text"])
     return "".join(parts)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     """A completions `prompt`: a string, strings, a list of token ids, or lists of token ids."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if prompt and all(_is_token(t) for t in prompt):
         return [prompt]
     if prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+    if prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
         return list(prompt)
     raise invalid_request(
         "prompt must be a non-empty string, list of strings, list of token ids or list of token-id lists",
         param="prompt",
     )
+
+
+def _default_max_tokens(
+    prompts: list[list[int]], n: int, principal: Principal, room: int, default: int | None
+) -> int:
+    """`max_tokens` for a request that did not set it: what it can really use.
+
+    Bounded by the context window (`room`), the endpoint's default, the tenant's per-request cap, and by the
+    tenant's token limits: a reservation (every prompt plus `n x max_tokens` each) larger than the tokens-per-
+    minute limit or the monthly budget could never be admitted, so the default shrinks to fit them. A prompt
+    that alone leaves no room under such a limit is a 400 (it can never succeed), not a retryable 429.
+    """
+    bounds = [room] + [b for b in (default, principal.max_tokens_per_request) if b is not None]
+    prompt_total, sequences = sum(len(p) for p in prompts), n * len(prompts)
+    limits = principal.limits
+    for field, limit in (
+        ("tokens_per_minute", limits.tokens_per_minute),
+        ("monthly_token_budget", limits.monthly_token_budget),
+    ):
+        if limit is None:
+            continue
+        fit = (limit - prompt_total) // sequences
+        if fit < 1:
+            raise APIError(
+                400,
+                f"The prompt needs {prompt_total:,} tokens, leaving no room for output under this tenant's "
+                f"{field} limit of {limit:,}; shorten the prompt",
+                code="request_exceeds_limit",
+                param="prompt" if default is not None else "messages",
+            )
+        bounds.append(fit)
+    return min(bounds)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends `logit_bias` keyed by token ids written as strings."""
+    if raw is None:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        if not key.isdigit() or len(key) > 10:
+            raise invalid_request(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    return bias
 
 
 def _sampling_params(
@@ -147,10 +228,6 @@ def _sampling_params(
     logprobs: int | None,
 ) -> SamplingParams:
     """Check tenant limits and the context window, then build (and engine-validate) the parameters."""
-    if body.n < 1:
-        raise invalid_request(f"n must be at least 1; got {body.n}", param="n")
-    if principal.max_n is not None and body.n > principal.max_n:
-        raise invalid_request(f"n={body.n} exceeds this tenant's limit of {principal.max_n}", param="n")
     tenant_cap = principal.max_tokens_per_request
     if max_tokens is not None and tenant_cap is not None and max_tokens > tenant_cap:
         raise invalid_request(
@@ -168,11 +245,7 @@ def _sampling_params(
             param="messages" if default_max_tokens is None else "prompt",
         )
     if max_tokens is None:
-        max_tokens = (
-            window - longest if default_max_tokens is None else min(default_max_tokens, window - longest)
-        )
-        if tenant_cap is not None:
-            max_tokens = min(max_tokens, tenant_cap)
+        max_tokens = _default_max_tokens(prompts, body.n, principal, window - longest, default_max_tokens)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     try:
         params = SamplingParams(
@@ -183,16 +256,21 @@ def _sampling_params(
             min_p=body.min_p,
             seed=body.seed,
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             stop=stop,
+            stop_token_ids=body.stop_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias),
         )
         for prompt in prompts:
             engine.validate(prompt, params)
     except PromptTooLongError as error:
         raise APIError(400, str(error), code="context_length_exceeded") from None
     except InvalidRequestError as error:
-        raise invalid_request(str(error)) from None
+        raise invalid_request(str(error), param=error.param) from None
     return params

@@ -36,8 +36,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def usage(job: InferenceJob) -> Usage:
-    prompt, completion, cached = job.usage
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+    billed = job.usage
+    return Usage(
+        billed.prompt_tokens, billed.completion_tokens, billed.total, PromptTokensDetails(billed.cached_tokens)
+    )
 
 
 def _top(entry: TokenLogprob) -> TopLogprob:

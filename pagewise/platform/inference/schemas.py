@@ -1,58 +1,84 @@
-"""OpenAI request and response bodies (msgspec). Unknown request fields are ignored, as clients expect."""
+"""OpenAI request and response bodies (msgspec).
+
+Request bodies are strict: an unknown or unsupported field is a 400 naming it (never silently ignored), numbers
+are never parsed from strings (`pagewise.platform.bodies`), and every value is bounded so nothing a client sends
+can overflow a column or make a row unreasonably large. Sampling ranges the engine checks (finite floats,
+penalties, seeds) are checked once, by the engine's `SamplingParams`.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+_INT32 = 2**31 - 1
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=_INT32)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_STOP = 16
+MAX_PROMPTS = 256  # entries of a completions `prompt` list; tenant and engine limits usually bind first
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: Name | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by both endpoints; `top_k`, `min_p` and `ignore_eos` are vLLM's extensions."""
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by both endpoints. Beyond OpenAI's: vLLM's `top_k`, `min_p`, `ignore_eos`,
+    `repetition_penalty`, `min_tokens`, `stop_token_ids` and `include_stop_str_in_output`."""
 
-    model: str
-    max_tokens: int | None = None
+    model: Name
+    max_tokens: PositiveInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
+    n: PositiveInt = 1
+    stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int = 0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] = 0
     min_p: float = 0.0
+    min_tokens: Count = 0
     ignore_eos: bool = False
+    stop_token_ids: list[Count] | None = None
+    include_stop_str_in_output: bool = False
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any]  # a string, a list of strings, a list of token ids, or a list of those
-    logprobs: int | None = None
+class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | Annotated[list[Any], msgspec.Meta(max_length=MAX_PROMPTS)]
+    """A string, a list of strings, a list of token ids, or a list of those."""
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
 
 
-class AsyncRequestEndpoint(msgspec.Struct, kw_only=True):
-    """`POST /v1/requests` takes a chat or completions body plus the endpoint it is meant for."""
+class AsyncChatRequest(ChatCompletionRequest, tag_field="endpoint", tag="/v1/chat/completions"):
+    """`POST /v1/requests` with `"endpoint": "/v1/chat/completions"` and a chat body."""
 
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+
+class AsyncCompletionRequest(CompletionRequest, tag_field="endpoint", tag="/v1/completions"):
+    """`POST /v1/requests` with `"endpoint": "/v1/completions"` and a completions body."""
+
+
+AsyncRequest = AsyncChatRequest | AsyncCompletionRequest
 
 
 class PromptTokensDetails(msgspec.Struct):

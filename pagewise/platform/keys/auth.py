@@ -1,12 +1,15 @@
 """Authentication (API key → tenant) and scope guards.
 
 Invariants: a missing, malformed, unknown, revoked or expired key is a 401; a suspended tenant is a 403; the
-tenant a request acts for comes from its key only — never from the body.
+tenant a request acts for comes from its key only — never from the body. `/metrics` is skipped by the
+middleware and checks its own bearer: the metrics token (constant time) or an admin key.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import hmac
 
 import msgspec
 from litestar.connection import ASGIConnection
@@ -19,12 +22,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.key_format import parse_key, secret_matches
+from pagewise.platform.keys.schemas import key_status
 from pagewise.platform.quotas.quota_store import QuotaLimits
 
 LAST_USED_RESOLUTION = dt.timedelta(
     minutes=1
 )  # last_used_at is refreshed at most this often (no write per call)
-PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema")  # no key needed
+# The key middleware skips these: `/health`, `/ready` and `/schema` are public; `/metrics` runs
+# `authorize_metrics` itself, because its metrics token is not an API key.
+PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema")
 
 
 class Principal(msgspec.Struct, frozen=True):
@@ -54,11 +60,19 @@ def unauthorized(message: str) -> APIError:
     )
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; `None` without one."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return None
+    return authorization[7:].strip()
+
+
 async def authenticate(session: AsyncSession, authorization: str | None) -> Principal:
     """Resolve an `Authorization: Bearer pw_…` header to a principal, or raise 401/403."""
-    if not authorization or not authorization.lower().startswith("bearer "):
+    token = bearer_token(authorization)
+    if token is None:
         raise unauthorized("Missing API key: send `Authorization: Bearer pw_<prefix>_<secret>`")
-    parsed = parse_key(authorization[7:].strip())
+    parsed = parse_key(token)
     if parsed is None:
         raise unauthorized("Malformed API key: expected `pw_<prefix>_<secret>`")
     row = (
@@ -72,10 +86,11 @@ async def authenticate(session: AsyncSession, authorization: str | None) -> Prin
         raise unauthorized("Incorrect API key provided")
     key, tenant = row.ApiKey, row.Tenant
     now = utcnow()
-    if key.revoked_at is not None:
-        raise unauthorized("This API key has been revoked")
-    if key.expires_at is not None and as_utc(key.expires_at) <= now:
-        raise unauthorized("This API key has expired")
+    match key_status(key.revoked_at, key.expires_at, now):
+        case "revoked":
+            raise unauthorized("This API key has been revoked")
+        case "expired":
+            raise unauthorized("This API key has expired")
     if tenant.status != "active":
         raise APIError(403, f"Tenant '{tenant.name}' is {tenant.status}", code="tenant_suspended")
     if key.last_used_at is None or now - as_utc(key.last_used_at) > LAST_USED_RESOLUTION:
@@ -101,14 +116,43 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
         return AuthenticationResult(user=principal, auth=principal.key_id)
 
 
+def check_scope(principal: Principal, scope: str) -> None:
+    """403 unless the caller's key carries `scope`."""
+    if scope not in principal.scopes:
+        raise APIError(403, f"This route needs an API key with the '{scope}' scope", code="insufficient_scope")
+
+
 def requires_scope(scope: str) -> Guard:
-    """A guard: the caller's key must carry `scope` (403 otherwise)."""
+    """A guard: the caller's key must carry `scope` (403 otherwise).
+
+    `OPTIONS` is answered without a key (the authentication middleware skips it, as a CORS preflight needs):
+    it only lists the allowed methods, which the public OpenAPI document shows anyway.
+    """
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        principal: Principal = connection.user
-        if scope not in principal.scopes:
-            raise APIError(
-                403, f"This route needs an API key with the '{scope}' scope", code="insufficient_scope"
-            )
+        if connection.scope["method"] == "OPTIONS":
+            return
+        check_scope(connection.user, scope)
 
     return guard
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+async def authorize_metrics(session: AsyncSession, authorization: str | None, metrics_token: str | None) -> None:
+    """Let `/metrics` be read with `Authorization: Bearer <metrics_token>` or an admin key.
+
+    No or a wrong bearer is a 401; a valid key without the `admin` scope is a 403 (`insufficient_scope`),
+    as on every admin route; a suspended tenant's key is a 403. The token is compared in constant time
+    (digests of equal length, so not even its length leaks).
+    """
+    token = bearer_token(authorization)
+    if token is None:
+        raise unauthorized("Missing credentials: send `Authorization: Bearer <metrics token or admin API key>`")
+    if metrics_token is not None and hmac.compare_digest(_digest(token), _digest(metrics_token)):
+        return
+    if parse_key(token) is None:
+        raise unauthorized("Incorrect metrics token or API key provided")
+    check_scope(await authenticate(session, authorization), "admin")

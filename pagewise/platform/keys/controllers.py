@@ -1,14 +1,18 @@
-"""`/admin/tenants/{tenant_id}/keys` (admin scope): create (key returned once), list, revoke, rotate."""
+"""`/admin/tenants/{tenant_id}/keys` (admin scope): create (key returned once), list, revoke, rotate.
+
+`POST …/{key_id}/rotate` takes an optional body `{"grace_period_s": 0..604800}` (default 0: revoke at once).
+"""
 
 from __future__ import annotations
 
 from litestar import Controller, delete, get, post
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath, JSONBody, SkipValidation
+from litestar.params import FromPath, SkipValidation
 
+from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import requires_scope
-from pagewise.platform.keys.schemas import KeyCreate, KeyCreated, KeyOut
+from pagewise.platform.keys.schemas import KeyCreate, KeyCreated, KeyOut, KeyRotate
 from pagewise.platform.keys.service import KeyService, key_out
 
 Keys = NamedDependency[SkipValidation[KeyService]]
@@ -25,8 +29,8 @@ class KeyController(Controller):
     tags = ["admin"]
 
     @post("/")
-    async def create_key(self, tenant_id: FromPath[str], data: JSONBody[KeyCreate], keys: Keys) -> KeyCreated:
-        return await keys.create(tenant_id, data)
+    async def create_key(self, tenant_id: FromPath[str], data: StrictBody[KeyCreate], keys: Keys) -> KeyCreated:
+        return await keys.create(tenant_id, parse_body(data, KeyCreate))
 
     @get("/")
     async def list_keys(self, tenant_id: FromPath[str], keys: Keys) -> list[KeyOut]:
@@ -37,5 +41,12 @@ class KeyController(Controller):
         return key_out(await keys.revoke(tenant_id, key_id))
 
     @post("/{key_id:str}/rotate")
-    async def rotate_key(self, tenant_id: FromPath[str], key_id: FromPath[str], keys: Keys) -> KeyCreated:
-        return await keys.rotate(tenant_id, key_id)
+    async def rotate_key(
+        self,
+        tenant_id: FromPath[str],
+        key_id: FromPath[str],
+        keys: Keys,
+        data: StrictBody[KeyRotate | None] = None,
+    ) -> KeyCreated:
+        body = parse_body(data, KeyRotate | None) or KeyRotate()
+        return await keys.rotate(tenant_id, key_id, body.grace_period_s)

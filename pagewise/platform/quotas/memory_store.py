@@ -3,8 +3,9 @@
 Invariants:
 - Every method runs without awaiting in between reads and writes, so on one event loop each call is atomic —
   the same guarantee the Redis store gets from Lua.
-- A tenant's concurrency is the number of its live leases (`leases`: reservation id → expiry); there is no
-  separate counter that could drift from it. An expired lease is dropped before anything is read.
+- A tenant's concurrency is the sum of the slots of its live leases (`leases`: reservation id → lease);
+  there is no separate counter that could drift from it. An expired lease is dropped, all its slots at
+  once, before anything is read.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from pagewise.platform.quotas.quota_store import (
     QuotaUsage,
     QuotaWindows,
     Reservation,
+    check_request_size,
     first_rejection,
 )
+
+
+@dataclass(slots=True)
+class _Lease:
+    expiry: float
+    slots: int
 
 
 @dataclass(slots=True)
@@ -31,7 +39,7 @@ class _TenantCounters:
     requests_this_minute: int = 0
     tokens_this_minute: int = 0
     tokens_this_month: int = 0
-    leases: dict[str, float] = field(default_factory=dict)
+    leases: dict[str, _Lease] = field(default_factory=dict)
 
     def roll(self, windows: QuotaWindows) -> None:
         """Start fresh windows when the minute or the month has changed."""
@@ -42,8 +50,12 @@ class _TenantCounters:
 
     def expire(self, now: float) -> None:
         """Release the slots of leases that ran out (their holder crashed or never reconciled)."""
-        for reservation_id in [r for r, expiry in self.leases.items() if expiry <= now]:
+        for reservation_id in [r for r, lease in self.leases.items() if lease.expiry <= now]:
             del self.leases[reservation_id]
+
+    @property
+    def slots_held(self) -> int:
+        return sum(lease.slots for lease in self.leases.values())
 
 
 class InProcessQuotaStore:
@@ -61,26 +73,34 @@ class InProcessQuotaStore:
         return counters, windows, now
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str, *, slots: int = 1
     ) -> Decision:
+        check_request_size(tokens, slots)
         c, windows, now = self._counters(tenant_id)
         rejected = first_rejection(
-            limits, tokens, len(c.leases), c.requests_this_minute, c.tokens_this_minute, c.tokens_this_month
+            limits,
+            tokens,
+            slots,
+            c.slots_held,
+            c.requests_this_minute,
+            c.tokens_this_minute,
+            c.tokens_this_month,
         )
         reservation = None
         if rejected is None:
             c.requests_this_minute += 1
             c.tokens_this_minute += tokens
             c.tokens_this_month += tokens
-            c.leases[reservation_id] = now + self.lease_s
-            reservation = Reservation(reservation_id, tenant_id, tokens, windows.minute, windows.month)
+            c.leases[reservation_id] = _Lease(now + self.lease_s, slots)
+            reservation = Reservation(reservation_id, tenant_id, tokens, windows.minute, windows.month, slots)
         return Decision(reservation, rejected, self._snapshot(c, windows), limits)
 
     async def renew(self, reservation: Reservation) -> bool:
         c, _, now = self._counters(reservation.tenant_id)
-        if reservation.id not in c.leases:
+        lease = c.leases.get(reservation.id)
+        if lease is None:
             return False
-        c.leases[reservation.id] = now + self.lease_s
+        lease.expiry = now + self.lease_s
         return True
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
@@ -104,7 +124,7 @@ class InProcessQuotaStore:
     @staticmethod
     def _snapshot(c: _TenantCounters, windows: QuotaWindows) -> QuotaUsage:
         return QuotaUsage(
-            concurrent=len(c.leases),
+            concurrent=c.slots_held,
             outstanding=len(c.leases),
             requests_this_minute=c.requests_this_minute,
             tokens_this_minute=c.tokens_this_minute,

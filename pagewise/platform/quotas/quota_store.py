@@ -2,14 +2,16 @@
 
 Semantics (both stores, same tests):
 - Windows are fixed: requests and tokens per UTC minute, the token budget per UTC calendar month.
-- `reserve` checks every limit and, only if all pass, takes one request, one concurrency slot and
+- `reserve` checks every limit and, only if all pass, takes one request, `slots` concurrency slots and
   `tokens` tokens in one atomic step. A rejection changes nothing.
-- `reconcile` releases the slot and replaces the reserved tokens by the real count, exactly once per
-  reservation: a second call for the same reservation is a no-op that returns False.
-- A reservation is a lease: it holds its concurrency slot for `lease_s` seconds (renewable with `renew`).
-  A lease that runs out — its process crashed, or lost the reconcile — gives its slot back at the next
-  call for that tenant; its reserved tokens stay counted (the safe side), and a late `reconcile` is a
-  no-op returning False. Holders of long requests renew before half the lease has passed.
+- A tenant's concurrency is the sum of the slots of its live leases; `max_concurrent_requests` bounds that
+  sum, so a request holding k slots (e.g. k sequences) counts k times.
+- `reconcile` releases all the reservation's slots and replaces the reserved tokens by the real count,
+  exactly once per reservation: a second call for the same reservation is a no-op that returns False.
+- A reservation is a lease: it holds its slots for `lease_s` seconds (renewable with `renew`, which extends
+  all of them). A lease that runs out — its process crashed, or lost the reconcile — gives all its slots
+  back at the next call for that tenant; its reserved tokens stay counted (the safe side), and a late
+  `reconcile` is a no-op returning False. Holders of long requests renew before half the lease has passed.
 """
 
 from __future__ import annotations
@@ -34,20 +36,24 @@ class QuotaLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Reservation(msgspec.Struct, frozen=True):
-    """What one admitted request holds; `minute` and `month` name the windows its tokens were counted in."""
+    """What one admitted request holds: `tokens`, and `slots` concurrency slots (at least 1).
+
+    `minute` and `month` name the windows its tokens were counted in.
+    """
 
     id: str
     tenant_id: str
     tokens: int
     minute: int
     month: str
+    slots: int = 1
 
 
 class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
     """Counters of one tenant at one moment, with the seconds until the minute and the month roll over.
 
-    `concurrent` (slots held) and `outstanding` (reservations not yet reconciled) are both the number of
-    live leases; both are kept because callers read either name.
+    `concurrent` is the number of slots the live leases hold; `outstanding` is the number of live leases
+    (reservations not yet reconciled). They are equal while every reservation holds one slot.
     """
 
     concurrent: int
@@ -73,8 +79,13 @@ class QuotaStore(Protocol):
     """How long a reservation holds its slot without `renew`."""
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str
-    ) -> Decision: ...
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str, *, slots: int = 1
+    ) -> Decision:
+        """Take one request, `slots` slots and `tokens` tokens if every limit allows it; else change nothing.
+
+        Raises `ValueError` for `tokens < 0` or `slots < 1` (a caller's bug, not a user's error).
+        """
+        ...
 
     async def renew(self, reservation: Reservation) -> bool:
         """Extend a live lease by a full lease from now; False if it was reconciled or has expired."""
@@ -109,11 +120,28 @@ class QuotaWindows(msgspec.Struct, frozen=True):
         )
 
 
+def check_request_size(tokens: int, slots: int) -> None:
+    """What every store's `reserve` accepts: `tokens >= 0` and `slots >= 1`."""
+    if tokens < 0:
+        raise ValueError(f"tokens must be at least 0; got {tokens}")
+    if slots < 1:
+        raise ValueError(f"slots must be at least 1; got {slots}")
+
+
 def first_rejection(
-    limits: QuotaLimits, tokens: int, concurrent: int, requests: int, minute_tokens: int, month_tokens: int
+    limits: QuotaLimits,
+    tokens: int,
+    slots: int,
+    concurrent: int,
+    requests: int,
+    minute_tokens: int,
+    month_tokens: int,
 ) -> Rejection | None:
-    """Which limit admitting `tokens` more would break, checked in a fixed order; `None` if none."""
-    if limits.max_concurrent_requests is not None and concurrent + 1 > limits.max_concurrent_requests:
+    """Which limit admitting one request of `tokens` tokens and `slots` slots would break; `None` if none.
+
+    Checked in a fixed order (the Redis script keeps the same one): concurrency, requests, tokens, budget.
+    """
+    if limits.max_concurrent_requests is not None and concurrent + slots > limits.max_concurrent_requests:
         return "concurrency"
     if limits.requests_per_minute is not None and requests + 1 > limits.requests_per_minute:
         return "requests"

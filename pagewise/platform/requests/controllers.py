@@ -5,35 +5,25 @@ Every query is scoped to the caller's tenant: another tenant's id answers 404, e
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated
 
-import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import invalid_request, not_found
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
-from pagewise.platform.inference.schemas import AsyncRequestEndpoint, ChatCompletionRequest, CompletionRequest
+from pagewise.platform.inference.schemas import AsyncChatRequest, AsyncRequest
 from pagewise.platform.keys.auth import Principal, requires_scope
 from pagewise.platform.requests.schemas import RequestList, RequestOut, request_out, request_page
-from pagewise.platform.requests.store import tenant_requests
+from pagewise.platform.requests.store import newest_first, tenant_requests
 from pagewise.platform.services import Services
 
 PageLimit = Annotated[int, QueryParameter(ge=1, le=100)]
-BodyT = TypeVar("BodyT")
-
-
-def _decode(raw: bytes, kind: type[BodyT]) -> BodyT:
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as error:
-        raise invalid_request(str(error)) from None
-    except msgspec.DecodeError as error:
-        raise invalid_request(f"Malformed JSON body: {error}") from None
 
 
 async def _get_row(session: AsyncSession, tenant_id: str, request_id: str) -> RequestRecord:
@@ -50,15 +40,14 @@ class RequestController(Controller):
 
     @post("/", status_code=202)
     async def submit(
-        self, request: Request[Principal, str, object], services: Services
+        self, data: StrictBody[AsyncRequest], request: Request[Principal, str, object], services: Services
     ) -> RequestOut:
         """Same body as chat or completions plus `endpoint`; returns the queued request at once."""
-        raw = await request.body()
-        endpoint = _decode(raw, AsyncRequestEndpoint).endpoint
-        if endpoint == "/v1/chat/completions":
-            prepared = prepare_chat(_decode(raw, ChatCompletionRequest), request.user, services.engine)
+        body = parse_body(data, AsyncRequest)
+        if isinstance(body, AsyncChatRequest):
+            prepared = await prepare_chat(body, request.user, services.engine)
         else:
-            prepared = prepare_completion(_decode(raw, CompletionRequest), request.user, services.engine)
+            prepared = await prepare_completion(body, request.user, services.engine)
         if prepared.stream:
             raise invalid_request("stream is not supported for asynchronous requests", param="stream")
         job = await InferenceJob.admit(services, request.user, prepared)
@@ -74,10 +63,9 @@ class RequestController(Controller):
         after: FromQuery[str | None] = None,
         limit: PageLimit = 20,
     ) -> RequestList:
-        query = tenant_requests(request.user.tenant_id).order_by(RequestRecord.id.desc()).limit(limit + 1)
-        if after is not None:
-            query = query.where(RequestRecord.id < after)
-        return request_page(list((await db_session.scalars(query)).all()), limit)
+        """The caller's requests, newest first; `after` (a `last_id`) must name one of them."""
+        rows = await newest_first(db_session, tenant_requests(request.user.tenant_id), after=after, limit=limit)
+        return request_page(rows, limit)
 
     @get("/{request_id:str}")
     async def get_request(

@@ -27,11 +27,14 @@ class RequestOut(msgspec.Struct, kw_only=True):
     first_token_at: dt.datetime | None
     finished_at: dt.datetime | None
     tenant_id: str
+    api_key_id: str | None  # the key that made the request; `None` once that key is deleted
     object: Literal["request"] = "request"
 
 
 class RequestList(msgspec.Struct, kw_only=True):
-    """A page, newest first; pass `last_id` as `after` for the next page while `has_more`."""
+    """A page, newest first (by `queued_at`, then `id`); pass `last_id` as `after` for the next page while
+    `has_more`.
+    """
 
     data: list[RequestOut]
     first_id: str | None
@@ -63,6 +66,7 @@ def request_out(row: RequestRecord) -> RequestOut:
         first_token_at=row.first_token_at,
         finished_at=row.finished_at,
         tenant_id=row.tenant_id,
+        api_key_id=row.api_key_id,
     )
 
 

@@ -1,19 +1,27 @@
 """Writes and reads `requests` rows. The database sees a request three times at most: accepted, first token,
-finished — never once per token. Finishing also adds to `usage_daily` in the same transaction.
+finished — never once per token (lease renewals batch many rows into one statement).
+
+Invariant: a row reaches a terminal status exactly once. Every final write (`finish`, `fail_orphans`,
+`fail_unfinished`) is guarded on an unfinished status, and `finish` adds to `usage_daily` only when its own
+guarded write won, in the same transaction — so usage counts each request once, whoever finished it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
-from sqlalchemy import Select, select, update
+from sqlalchemy import ColumnElement, Select, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from pagewise.platform.db.models import RequestRecord, UsageDaily
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily
+from pagewise.platform.errors import invalid_request
+
+ORPHANED_ERROR = "orphaned: the process serving it stopped before it finished"
 
 
 class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,28 +54,56 @@ class RequestStore:
         async with self._sessionmaker() as session:
             await session.execute(
                 update(RequestRecord)
-                .where(RequestRecord.id == request_id, RequestRecord.status == "queued")
-                .values(status="running", started_at=started_at, first_token_at=first_token_at)
+                .where(RequestRecord.id == request_id, RequestRecord.status == RequestStatus.QUEUED.value)
+                .values(status=RequestStatus.RUNNING.value, started_at=started_at, first_token_at=first_token_at)
             )
             await session.commit()
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> None:
-        """The final write and the day's usage, in one transaction."""
-        async with self._sessionmaker() as session, session.begin():
-            await session.execute(
-                update(RequestRecord)
-                .where(RequestRecord.id == request_id)
-                .values(**msgspec.structs.asdict(result))
-            )
-            await _add_usage(session, tenant_id, model, result)
-
-    async def fail_unfinished(self, reason: str) -> int:
-        """Mark rows left queued/running by a previous process as failed; returns how many."""
+    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> bool:
+        """The final write and the day's usage, in one transaction. Returns whether this call finished the
+        row: `False` when it was already terminal (finished before, or failed by a sweep) — then nothing changes.
+        """
         async with self._sessionmaker() as session, session.begin():
             outcome = await session.execute(
                 update(RequestRecord)
-                .where(RequestRecord.status.in_(("queued", "running")))
-                .values(status="failed", error=reason, finished_at=dt.datetime.now(dt.UTC))
+                .where(RequestRecord.id == request_id, RequestRecord.status.in_(UNFINISHED_STATUSES))
+                .values(**msgspec.structs.asdict(result))
+            )
+            if outcome.rowcount != 1:
+                return False
+            await _add_usage(session, tenant_id, model, result)
+        return True
+
+    async def renew_leases(self, request_ids: Collection[str], until: dt.datetime) -> None:
+        """Set the lease of the unfinished rows among `request_ids` to `until`, in one statement; finished
+        rows keep theirs.
+        """
+        if not request_ids:
+            return
+        async with self._sessionmaker() as session, session.begin():
+            await session.execute(
+                update(RequestRecord)
+                .where(RequestRecord.id.in_(request_ids), RequestRecord.status.in_(UNFINISHED_STATUSES))
+                .values(lease_expires_at=until.astimezone(dt.UTC))
+            )
+
+    async def fail_orphans(self, now: dt.datetime) -> int:
+        """Fail the unfinished rows whose lease expired before `now` (their process stopped); returns how
+        many. Rows without a lease (an embedded server's, a NULL never compares) are left to `fail_unfinished`.
+        """
+        now = now.astimezone(dt.UTC)
+        return await self._fail(ORPHANED_ERROR, now, RequestRecord.lease_expires_at < now)
+
+    async def fail_unfinished(self, reason: str) -> int:
+        """Mark rows left queued/running by a previous process as failed; returns how many."""
+        return await self._fail(reason, dt.datetime.now(dt.UTC))
+
+    async def _fail(self, reason: str, now: dt.datetime, *conditions: ColumnElement[bool]) -> int:
+        async with self._sessionmaker() as session, session.begin():
+            outcome = await session.execute(
+                update(RequestRecord)
+                .where(RequestRecord.status.in_(UNFINISHED_STATUSES), *conditions)
+                .values(status=RequestStatus.FAILED.value, error=reason, finished_at=now)
             )
         return outcome.rowcount or 0
 
@@ -96,3 +132,27 @@ async def _add_usage(session: AsyncSession, tenant_id: str, model: str, result: 
 def tenant_requests(tenant_id: str) -> Select[tuple[RequestRecord]]:
     """Every query for a caller's requests starts here, so another tenant's rows are never visible."""
     return select(RequestRecord).where(RequestRecord.tenant_id == tenant_id)
+
+
+async def newest_first(
+    session: AsyncSession,
+    scope: Select[tuple[RequestRecord]],
+    *,
+    after: str | None,
+    limit: int,
+    filters: Sequence[ColumnElement[bool]] = (),
+) -> list[RequestRecord]:
+    """Up to `limit + 1` rows of `scope` matching `filters`, newest first: `queued_at DESC, id DESC`, a total
+    order, so a keyset cursor on it never skips or repeats a row. `after` names the row to start after; it is
+    looked up in `scope` alone (a row that has since left `filters` still marks its place), and an id outside
+    `scope` is a 400 naming `after` rather than an empty page.
+    """
+    query = scope.where(*filters)
+    if after is not None:
+        cursor = scope.with_only_columns(RequestRecord.queued_at).where(RequestRecord.id == after)
+        queued_at = await session.scalar(cursor)
+        if queued_at is None:
+            raise invalid_request(f"No request found with id '{after}' to list after", param="after")
+        query = query.where(tuple_(RequestRecord.queued_at, RequestRecord.id) < tuple_(queued_at, after))
+    query = query.order_by(RequestRecord.queued_at.desc(), RequestRecord.id.desc()).limit(limit + 1)
+    return list((await session.scalars(query)).all())

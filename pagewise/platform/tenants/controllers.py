@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from litestar import Controller, get, patch, post
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath, JSONBody, SkipValidation
+from litestar.params import FromPath, SkipValidation
 
+from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import requires_scope
 from pagewise.platform.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
@@ -25,8 +26,8 @@ class TenantController(Controller):
     tags = ["admin"]
 
     @post("/")
-    async def create_tenant(self, data: JSONBody[TenantCreate], tenants: Tenants) -> TenantOut:
-        return tenant_out(await tenants.create(data))
+    async def create_tenant(self, data: StrictBody[TenantCreate], tenants: Tenants) -> TenantOut:
+        return tenant_out(await tenants.create(parse_body(data, TenantCreate)))
 
     @get("/")
     async def list_tenants(self, tenants: Tenants) -> list[TenantOut]:
@@ -38,9 +39,9 @@ class TenantController(Controller):
 
     @patch("/{tenant_id:str}")
     async def update_tenant(
-        self, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], tenants: Tenants
+        self, tenant_id: FromPath[str], data: StrictBody[TenantUpdate], tenants: Tenants
     ) -> TenantOut:
-        return tenant_out(await tenants.update(tenant_id, data))
+        return tenant_out(await tenants.update(tenant_id, parse_body(data, TenantUpdate)))
 
     @post("/{tenant_id:str}/suspend", status_code=200)
     async def suspend_tenant(self, tenant_id: FromPath[str], tenants: Tenants) -> TenantOut:

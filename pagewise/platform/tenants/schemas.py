@@ -1,37 +1,50 @@
-"""Tenant bodies. In updates an absent field is left alone and `null` means "no limit"."""
+"""Tenant bodies. In updates an absent field is left alone and `null` means "no limit".
+
+The quota fields and their bounds are declared once, here: `QUOTA_BOUNDS` is read from `TenantCreate`'s
+annotations, and the service applies it to bodies built in code (the CLI) that no decoder checked.
+Bodies reject unknown fields, so a misspelt quota (`rpm`) is a 400, never a silent no-op.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 TenantStatus = Literal["active", "suspended"]
 
+INT32_MAX = 2_147_483_647  # the `Integer` columns
+INT64_MAX = 9_223_372_036_854_775_807  # the `BigInteger` column
 
-class TenantCreate(msgspec.Struct, kw_only=True):
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+"""A per-minute limit; 0 blocks the dimension."""
+PositiveCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+TokenBudget = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
+class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A new tenant; each quota is `null` for unlimited and defaults to a conservative value."""
 
     name: str
-    requests_per_minute: int | None = 600
-    tokens_per_minute: int | None = 200_000
-    monthly_token_budget: int | None = None
-    max_concurrent_requests: int | None = 16
-    max_tokens_per_request: int | None = 4096
-    max_n: int | None = 8
+    requests_per_minute: Count | None = 600
+    tokens_per_minute: Count | None = 200_000
+    monthly_token_budget: TokenBudget | None = None
+    max_concurrent_requests: PositiveCount | None = 16
+    max_tokens_per_request: PositiveCount | None = 4096
+    max_n: PositiveCount | None = 8
 
 
-class TenantUpdate(msgspec.Struct, kw_only=True):
+class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str | UnsetType = UNSET
     status: TenantStatus | UnsetType = UNSET
-    requests_per_minute: int | None | UnsetType = UNSET
-    tokens_per_minute: int | None | UnsetType = UNSET
-    monthly_token_budget: int | None | UnsetType = UNSET
-    max_concurrent_requests: int | None | UnsetType = UNSET
-    max_tokens_per_request: int | None | UnsetType = UNSET
-    max_n: int | None | UnsetType = UNSET
+    requests_per_minute: Count | None | UnsetType = UNSET
+    tokens_per_minute: Count | None | UnsetType = UNSET
+    monthly_token_budget: TokenBudget | None | UnsetType = UNSET
+    max_concurrent_requests: PositiveCount | None | UnsetType = UNSET
+    max_tokens_per_request: PositiveCount | None | UnsetType = UNSET
+    max_n: PositiveCount | None | UnsetType = UNSET
 
 
 class TenantOut(msgspec.Struct, kw_only=True):
@@ -46,3 +59,17 @@ class TenantOut(msgspec.Struct, kw_only=True):
     max_n: int | None
     created_at: dt.datetime
     updated_at: dt.datetime
+
+
+def _quota_bounds() -> dict[str, tuple[int, int]]:
+    """(minimum, maximum) of every bounded integer field of `TenantCreate`: its quota fields."""
+    bounds = {}
+    for field in msgspec.inspect.type_info(TenantCreate).fields:
+        for kind in getattr(field.type, "types", (field.type,)):
+            if isinstance(kind, msgspec.inspect.IntType) and kind.ge is not None and kind.le is not None:
+                bounds[field.name] = (kind.ge, kind.le)
+    return bounds
+
+
+QUOTA_BOUNDS = _quota_bounds()
+"""Quota field → (minimum, maximum); `None` (no limit) is always allowed as well."""

@@ -1,4 +1,9 @@
-"""Tenant operations shared by the admin API and the CLI. Names are unique; a clash is a 409."""
+"""Tenant operations shared by the admin API and the CLI. Names are unique; a clash is a 409.
+
+Every check runs before anything is written, so a refused create or update changes nothing. The checks
+repeat what the HTTP decoder enforces (quota bounds from `QUOTA_BOUNDS`, the name rule) because the CLI
+builds bodies in code.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +13,33 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.ids import new_id
-from pagewise.platform.db.models import Tenant
+from pagewise.platform.db.models import Tenant, as_utc
 from pagewise.platform.errors import APIError, invalid_request, not_found
-from pagewise.platform.tenants.schemas import TenantCreate, TenantOut, TenantUpdate
-
-_QUOTA_FIELDS = (
-    "requests_per_minute",
-    "tokens_per_minute",
-    "monthly_token_budget",
-    "max_concurrent_requests",
-    "max_tokens_per_request",
-    "max_n",
-)
-_MINIMUM = {"max_n": 1, "max_concurrent_requests": 1, "max_tokens_per_request": 1}
+from pagewise.platform.tenants.last_admin import ensure_admin_remains
+from pagewise.platform.tenants.names import clean_name
+from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate, TenantOut, TenantUpdate
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:
-    return TenantOut(**{f: getattr(tenant, f) for f in TenantOut.__struct_fields__})
+    """The body for `tenant`; timestamps in UTC whichever database handed them back."""
+    out = TenantOut(**{f: getattr(tenant, f) for f in TenantOut.__struct_fields__})
+    out.created_at, out.updated_at = as_utc(out.created_at), as_utc(out.updated_at)
+    return out
 
 
-def _check_values(values: dict[str, object]) -> None:
+def _checked(values: dict[str, object]) -> dict[str, object]:
+    """`values` with the name cleaned, or a 400 naming the first field out of bounds."""
     name = values.get("name")
-    if name is not None and not str(name).strip():
-        raise invalid_request("name must not be empty", param="name")
-    for field in _QUOTA_FIELDS:
-        value, minimum = values.get(field), _MINIMUM.get(field, 0)
-        if isinstance(value, int) and value < minimum:
+    if isinstance(name, str):
+        values = {**values, "name": clean_name(name)}
+    for field, (minimum, maximum) in QUOTA_BOUNDS.items():
+        value = values.get(field)
+        if isinstance(value, int) and not minimum <= value <= maximum:
             raise invalid_request(
-                f"{field} must be at least {minimum} (or null for no limit); got {value}", param=field
+                f"{field} must be between {minimum:,} and {maximum:,} (or null for no limit); got {value:,}",
+                param=field,
             )
+    return values
 
 
 class TenantService:
@@ -44,11 +47,14 @@ class TenantService:
         self.session = session
 
     async def create(self, data: TenantCreate) -> Tenant:
-        values = msgspec.structs.asdict(data)
-        _check_values(values)
-        tenant = Tenant(id=new_id("ten"), status="active", **values)
-        self.session.add(tenant)
+        tenant = self.add(data)
         await self._commit(tenant.name)
+        return tenant
+
+    def add(self, data: TenantCreate) -> Tenant:
+        """A checked, active tenant added to the session, not yet committed (a caller's transaction)."""
+        tenant = Tenant(id=new_id("ten"), status="active", **_checked(msgspec.structs.asdict(data)))
+        self.session.add(tenant)
         return tenant
 
     async def list(self) -> list[Tenant]:
@@ -67,9 +73,11 @@ class TenantService:
         return tenant
 
     async def update(self, tenant_id: str, data: TenantUpdate) -> Tenant:
+        """Apply the fields that are set; suspending the last admin tenant is a 409 `last_admin`."""
         tenant = await self.get(tenant_id)
-        values = {k: v for k, v in msgspec.structs.asdict(data).items() if v is not msgspec.UNSET}
-        _check_values(values)
+        values = _checked({k: v for k, v in msgspec.structs.asdict(data).items() if v is not msgspec.UNSET})
+        if values.get("status") == "suspended" and tenant.status == "active":
+            await ensure_admin_remains(self.session, suspending_tenant=tenant.id)
         for key, value in values.items():
             setattr(tenant, key, value)
         await self._commit(tenant.name)

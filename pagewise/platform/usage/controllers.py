@@ -9,7 +9,7 @@ from litestar.params import FromQuery
 
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.keys.auth import Principal, requires_scope
-from pagewise.platform.usage.service import BucketWidth, UsagePage, usage_page
+from pagewise.platform.usage.service import BucketWidth, TenantGroupField, UnixTime, UsagePage, usage_page
 
 DEFAULT_RANGE_S = 7 * 86400
 
@@ -24,19 +24,18 @@ class UsageController(Controller):
         self,
         request: Request[Principal, str, object],
         db_session: DbSession,
-        start_time: FromQuery[int | None] = None,
-        end_time: FromQuery[int | None] = None,
+        start_time: UnixTime = None,
+        end_time: UnixTime = None,
         bucket_width: FromQuery[BucketWidth] = "1d",
-        group_by: FromQuery[list[str] | None] = None,
+        group_by: FromQuery[list[TenantGroupField] | None] = None,
     ) -> UsagePage:
         """Buckets from `start_time` (unix seconds; default a week ago) to `end_time` (default now)."""
         start = start_time if start_time is not None else int(time.time()) - DEFAULT_RANGE_S
-        groups = [g for g in group_by or [] if g == "model"]
         return await usage_page(
             db_session,
             start_time=start,
             end_time=end_time,
             width=bucket_width,
-            group_by=groups,
+            group_by=group_by or [],
             tenant_id=request.user.tenant_id,
         )

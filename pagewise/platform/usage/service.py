@@ -7,20 +7,26 @@ request rows. Every bucket in the range is returned, empty ones included, as Ope
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections import defaultdict
-from typing import Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import msgspec
+from litestar.params import QueryParameter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.db.models import RequestRecord, UsageDaily, as_utc
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
 
+MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a datetime holds
+UnixTime = Annotated[int | None, QueryParameter(ge=0, le=MAX_UNIX_TIME, description="Unix seconds")]
 BucketWidth = Literal["1d", "1h"]
 GroupField = Literal["tenant_id", "model"]
+TenantGroupField = Literal["model"]  # a tenant sees only its own rows: grouping by tenant means nothing
 _WIDTH = {"1d": dt.timedelta(days=1), "1h": dt.timedelta(hours=1)}
-_FINISHED = ("completed", "cancelled", "failed")
+_FINISHED = tuple(s.value for s in RequestStatus if s not in UNFINISHED_STATUSES)
 
 
 class UsageResult(msgspec.Struct, kw_only=True):
@@ -63,7 +69,7 @@ async def usage_page(
     start_time: int,
     end_time: int | None,
     width: BucketWidth,
-    group_by: list[GroupField],
+    group_by: Sequence[GroupField],
     tenant_id: str | None,
 ) -> UsagePage:
     step = _WIDTH[width]
@@ -74,24 +80,22 @@ async def usage_page(
     if (end - start) / step > 31 * 24:
         raise invalid_request("the range holds too many buckets; narrow it or use a wider bucket_width")
     rows = await (_daily_rows if width == "1d" else _hourly_rows)(session, start, end, tenant_id)
-    grouped: dict[dt.datetime, dict[tuple, UsageResult]] = defaultdict(dict)
+    grouped: dict[int, dict[tuple, UsageResult]] = defaultdict(dict)
     for row in rows:
         key = tuple(getattr(row, g) for g in group_by)
-        result = grouped[row.start].setdefault(key, UsageResult(**dict(zip(group_by, key, strict=True))))
+        bucket = grouped[int(row.start.timestamp())]
+        result = bucket.setdefault(key, UsageResult(**dict(zip(group_by, key, strict=True))))
         result.num_model_requests += row.requests
         result.input_tokens += row.prompt_tokens
         result.output_tokens += row.completion_tokens
         result.input_cached_tokens += row.cached_tokens
-    buckets, cursor = [], start
-    while cursor < end:
-        results = list(grouped.get(cursor, {}).values())
-        buckets.append(
-            UsageBucket(
-                start_time=int(cursor.timestamp()), end_time=int((cursor + step).timestamp()), results=results
-            )
-        )
-        cursor += step
-    return UsagePage(data=buckets)
+    step_s = int(step.total_seconds())  # bucket bounds in seconds: the last may end past the datetime range
+    return UsagePage(
+        data=[
+            UsageBucket(start_time=t, end_time=t + step_s, results=list(grouped.get(t, {}).values()))
+            for t in range(int(start.timestamp()), math.ceil(end.timestamp()), step_s)
+        ]
+    )
 
 
 def _floor(moment: dt.datetime, width: BucketWidth) -> dt.datetime:
@@ -102,9 +106,7 @@ def _floor(moment: dt.datetime, width: BucketWidth) -> dt.datetime:
 async def _daily_rows(
     session: AsyncSession, start: dt.datetime, end: dt.datetime, tenant_id: str | None
 ) -> list[_Row]:
-    query = select(UsageDaily).where(
-        UsageDaily.day >= start.date(), UsageDaily.day < (end + _WIDTH["1d"]).date()
-    )
+    query = select(UsageDaily).where(UsageDaily.day >= start.date(), UsageDaily.day <= end.date())
     if tenant_id is not None:
         query = query.where(UsageDaily.tenant_id == tenant_id)
     return [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from pagewise.platform.keys.key_format import generate_key
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT_S = 240
@@ -27,10 +28,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(base URL, admin key): the admin key is the one the first start prints on an empty database."""
+    """(base URL, admin key): the first start on an empty database stores the key given in PAGEWISE_ADMIN_KEY."""
     port = _free_port()
+    admin_key = generate_key().key
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{log_path.parent / 'e2e.db'}"}
+    env = {
+        **os.environ,
+        "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{log_path.parent / 'e2e.db'}",
+        "PAGEWISE_ADMIN_KEY": admin_key,
+    }
     env.pop("PAGEWISE_REDIS_URL", None)
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -64,13 +70,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
             time.sleep(0.5)
         else:
             pytest.fail(f"server did not become ready:\n{log_path.read_text()}")
-        match = re.search(r"pw_[0-9a-f]{12}_\S+", log_path.read_text())
-        assert match, log_path.read_text()
-        yield base, match.group(0)
+        yield base, admin_key
     finally:
         process.terminate()
         process.wait(timeout=30)
-    assert log_path.read_text().count("pw_") == 1  # the secret was printed exactly once
+    assert admin_key.split("_", 2)[2] not in log_path.read_text()  # the secret never reaches the output
 
 
 @pytest.fixture(scope="module")

@@ -76,3 +76,20 @@ async def test_unused_reservation_is_refunded(platform: Platform) -> None:
     usage = await platform.services.quotas.usage(tenant["id"])
     assert usage.tokens_this_minute == result["usage"]["total_tokens"]
     assert usage.concurrent == 0
+
+
+async def test_a_request_no_window_could_admit_is_400_and_reserves_nothing(platform: Platform) -> None:
+    tenant, key = await platform.tenant_with_key(tokens_per_minute=COST - 1, max_concurrent_requests=2)
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS}
+    too_long = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
+    assert too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert (error["code"], error["param"]) == ("request_exceeds_limit", "max_tokens")
+    assert f"reserves {COST} tokens" in error["message"] and f"limit is {COST - 1}" in error["message"]
+    too_wide = await platform.http.post(
+        "/v1/completions", json={**body, "max_tokens": 1, "n": 3}, headers=bearer(key)
+    )
+    assert too_wide.status_code == 400
+    assert (too_wide.json()["error"]["code"], too_wide.json()["error"]["param"]) == ("request_exceeds_limit", "n")
+    usage = await platform.services.quotas.usage(tenant["id"])
+    assert (usage.requests_this_minute, usage.tokens_this_minute, usage.concurrent) == (0, 0, 0)

@@ -105,3 +105,80 @@ async def test_renew_extends_a_live_lease_only(quota_store_factory: QuotaStoreFa
     assert await store.renew(held) is False
     assert (await store.reserve("t", limits, 1, "other")).reservation is not None
     assert await store.reconcile(held, 1) is False
+
+
+async def test_a_reservation_holds_its_slots_until_reconciled_once(quota_store: QuotaStore) -> None:
+    limits = QuotaLimits(max_concurrent_requests=4)
+    three = await quota_store.reserve("t", limits, 10, "three", slots=3)
+    assert three.reservation is not None and three.reservation.slots == 3
+    assert (three.usage.concurrent, three.usage.outstanding) == (3, 1)
+    refused = await quota_store.reserve("t", limits, 10, "two", slots=2)  # 3 + 2 > 4
+    assert refused.rejected_by == "concurrency" and refused.usage.concurrent == 3
+    one = (await quota_store.reserve("t", limits, 10, "one")).reservation
+    assert one is not None and one.slots == 1
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.outstanding, usage.requests_this_minute) == (4, 2, 2)
+    assert await quota_store.reconcile(three.reservation, 4) is True
+    assert await quota_store.reconcile(three.reservation, 4) is False  # a second reconcile frees nothing
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.outstanding, usage.tokens_this_minute) == (1, 1, 14)
+    assert (await quota_store.reserve("t", limits, 1, "three-again", slots=3)).reservation is not None
+
+
+async def test_concurrent_multi_slot_reservations_never_oversubscribe(quota_store: QuotaStore) -> None:
+    limits = QuotaLimits(max_concurrent_requests=10)
+    decisions = await asyncio.gather(
+        *(quota_store.reserve("t", limits, 1, f"r{i}", slots=3) for i in range(16))
+    )
+    admitted = [d.reservation for d in decisions if d.reservation is not None]
+    assert len(admitted) == 3  # 3 × 3 = 9 slots; a fourth would need 12
+    assert (await quota_store.usage("t")).concurrent == 9
+    results = await asyncio.gather(*(quota_store.reconcile(admitted[0], 1) for _ in range(8)))
+    assert sorted(results) == [False] * 7 + [True]
+    assert (await quota_store.usage("t")).concurrent == 6
+
+
+async def test_slots_and_tokens_must_be_sane(quota_store: QuotaStore) -> None:
+    with pytest.raises(ValueError, match="slots must be at least 1; got 0"):
+        await quota_store.reserve("t", QuotaLimits(), 1, "r", slots=0)
+    with pytest.raises(ValueError, match="tokens must be at least 0; got -1"):
+        await quota_store.reserve("t", QuotaLimits(), -1, "r")
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.requests_this_minute) == (0, 0)
+
+
+async def test_an_expired_lease_gives_all_its_slots_back(quota_store_factory: QuotaStoreFactory) -> None:
+    clock = _Clock(FROZEN_NOW)
+    store = quota_store_factory(clock, lease_s=10.0)
+    limits = QuotaLimits(max_concurrent_requests=4)
+    crashed = (await store.reserve("t", limits, 5, "crashed", slots=4)).reservation
+    assert crashed is not None
+    clock.now += 9.9
+    assert (await store.reserve("t", limits, 1, "early")).rejected_by == "concurrency"
+    clock.now += 0.2
+    usage = await store.usage("t")
+    assert (usage.concurrent, usage.outstanding) == (0, 0)
+    later = (await store.reserve("t", limits, 1, "later", slots=4)).reservation
+    assert later is not None
+    assert await store.reconcile(crashed, 0) is False  # frees none of `later`'s slots
+    assert (await store.usage("t")).concurrent == 4
+    assert await store.reconcile(later, 1) is True
+    assert (await store.usage("t")).concurrent == 0
+
+
+async def test_renew_keeps_all_slots(quota_store_factory: QuotaStoreFactory) -> None:
+    clock = _Clock(FROZEN_NOW)
+    store = quota_store_factory(clock, lease_s=10.0)
+    limits = QuotaLimits(max_concurrent_requests=3)
+    held = (await store.reserve("t", limits, 1, "held", slots=3)).reservation
+    assert held is not None
+    clock.now += 8
+    assert await store.renew(held) is True
+    clock.now += 8  # past the first lease, within the renewed one
+    usage = await store.usage("t")
+    assert (usage.concurrent, usage.outstanding) == (3, 1)
+    assert (await store.reserve("t", limits, 1, "other")).rejected_by == "concurrency"
+    clock.now += 3
+    assert await store.renew(held) is False
+    assert (await store.usage("t")).concurrent == 0
+    assert (await store.reserve("t", limits, 1, "other", slots=3)).reservation is not None

@@ -50,6 +50,10 @@ async def test_body_cannot_choose_the_tenant(platform: Platform) -> None:
     _, key_b = await platform.tenant_with_key()
     body = {"model": MODEL, "prompt": SHARED_PROMPT + " Again.", "max_tokens": 1, "temperature": 0}
     await platform.http.post("/v1/completions", json=body, headers=bearer(key_a))
-    spoofed = {**body, "user": tenant_a["id"], "tenant_id": tenant_a["id"]}
+    refused = await platform.http.post(
+        "/v1/completions", json={**body, "tenant_id": tenant_a["id"]}, headers=bearer(key_b)
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tenant_id"
+    spoofed = {**body, "user": tenant_a["id"]}
     response = (await platform.http.post("/v1/completions", json=spoofed, headers=bearer(key_b))).json()
     assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -245,6 +245,40 @@ def test_duplicate_live_request_id_raises_and_keeps_the_first(engine, expected) 
     assert deltas[-1].finished
 
 
+def test_reusing_an_id_right_after_leaving_gets_a_request_of_its_own(engine, expected) -> None:
+    """The old call's late abort and final output must not reach the new call that reuses its id (the platform
+    closes a disconnected client's stream, then a retry comes with the same id)."""
+    async def main():
+        old = engine.generate(PROMPTS[2], LONG, request_id="again")
+        await anext(old)
+        await old.aclose()
+        deltas = await collect(engine, PROMPTS[1], request_id="again")
+        stats = await wait_for_stats(engine, idle)
+        return deltas, stats
+
+    deltas, stats = run(main())
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == expected[1][0]
+    assert all(d.request_id == "again" for d in deltas)
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+    assert idle(stats), stats
+
+
+def test_abort_releases_the_id_at_once(engine, expected) -> None:
+    async def main():
+        old = engine.generate(PROMPTS[3], LONG, request_id="released")
+        first = await anext(old)
+        engine.abort("released")
+        new = await collect(engine, PROMPTS[1], request_id="released")  # not "already in use"
+        rest = [out async for out in old]
+        return first, new, rest
+
+    first, new, rest = run(main())
+    assert not first.finished
+    assert [t for d in new for t in d.outputs[0].token_ids] == expected[1][0]
+    assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert all(d.request_id == "released" for d in [first, *new, *rest])
+
+
 def test_stats_count_prompt_and_generation_tokens(engine) -> None:
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=7, ignore_eos=True)]

@@ -186,3 +186,31 @@ def test_swap_out_and_in() -> None:
     pool.allocate(4)
     assert not kv.swap_in(request)
     assert request.swap_slots == [0, 1]
+
+
+def test_reset_prefix_cache_only_when_no_block_is_in_use() -> None:
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, BS)
+    live = make_request(list(range(9)))
+    admit(kv, live)
+    hashes = {b.block_id: b.block_hash for b in pool.blocks}
+    cached = dict(pool.cached)
+    assert len(cached) == 2
+    assert pool.reset_prefix_cache() is False  # live blocks stay hittable: refused, nothing changed
+    assert pool.cached == cached and {b.block_id: b.block_hash for b in pool.blocks} == hashes
+    assert free_order(pool) == [3]
+    kv.free(live)
+    assert pool.reset_prefix_cache() is True
+    assert pool.cached == {} and all(b.block_hash is None for b in pool.blocks)
+    assert free_order(pool) == [3, 2, 1, 0]
+
+
+def test_check_accounting_finds_a_leak() -> None:
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, BS, num_swap_slots=2)
+    request = make_request(list(range(6)))
+    admit(kv, request)
+    kv.check_accounting([request])
+    pool.allocate(1)  # held by nobody
+    with pytest.raises(RuntimeError, match=r"accounting is broken: ref counts wrong for blocks \[2\]"):
+        kv.check_accounting([request])

@@ -63,13 +63,23 @@ def hf_log_softmax(model, tokens: list[int], start: int) -> torch.Tensor:
     return torch.log_softmax(logits[start - 1 : len(tokens) - 1], dim=-1)
 
 
-def hf_penalized_greedy(model, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
-    """vLLM's (and OpenAI's) penalties: over the output tokens so far, ``logit -= frequency * count + presence *
-    (count > 0)``; then argmax."""
+def hf_penalized_greedy(model, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                        repetition: float = 1.0, bias: dict[int, float] | None = None,
+                        banned: frozenset[int] = frozenset()) -> list[int]:
+    """vLLM's logits processing, then argmax: ``logit_bias`` added; ``banned`` tokens masked (as ``min_tokens``
+    masks stop tokens); repetition over prompt + output (positive logits divided, negative multiplied); then over
+    the output ``logit -= frequency * count + presence * (count > 0)`` (OpenAI's penalties)."""
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
             logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            for token, value in (bias or {}).items():
+                logits[token] += value
+            logits[list(banned)] = float("-inf")
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[prompt + out] = True
+            scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+            logits = torch.where(seen, scaled, logits)
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
             logits = logits - frequency * counts - presence * (counts > 0).float()
             out.append(int(logits.argmax()))
@@ -143,6 +153,8 @@ def test_n_greedy_samples_are_all_greedy(llm, greedy_p1) -> None:
         dict(temperature=1.5, top_k=1, seed=5),
         dict(temperature=1.0, top_p=1e-6),
         dict(temperature=2.0, min_p=1.0, seed=5),
+        dict(temperature=1e-6),
+        dict(temperature=9e-6, top_k=40, seed=2),
     ],
     ids=repr,
 )
@@ -185,6 +197,58 @@ def test_max_penalty_prevents_repeats(flat, kwargs) -> None:
     assert len(set(penalized)) == 10
 
 
+@pytest.mark.parametrize("repetition", [1.5, 0.7, 3.0])
+def test_repetition_penalty_matches_reference(flat, repetition) -> None:
+    llm, model = flat
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=repetition,
+                            frequency_penalty=0.3)
+    assert tokens(llm, [P2], params)[0] == hf_penalized_greedy(model, P2, 10, 0.0, 0.3, repetition)
+
+
+def test_logit_bias_matches_reference(llm, tiny, greedy_p1) -> None:
+    bias = {greedy_p1[0]: -100.0, greedy_p1[3]: 2.5, 7: -0.5}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=bias)
+    assert tokens(llm, [P1], params)[0] == hf_penalized_greedy(tiny[1], P1, MAX_TOKENS, bias=bias)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(temperature=1.5, seed=4), dict(temperature=1.0)],
+                         ids=repr)
+def test_logit_bias_of_100_forces_a_token(llm, kwargs) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={4242: 100}, **kwargs)
+    assert tokens(llm, [P1], params)[0] == [4242] * MAX_TOKENS
+
+
+def test_new_processing_keeps_rows_independent(llm) -> None:
+    """A seeded row with bias, penalties and min_tokens samples the same tokens alone and in a mixed batch."""
+    mine = seeded(77, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={11: 3.0, 12: -3.0}, min_tokens=4)
+    (alone,) = tokens(llm, [P1], mine)
+    batch = tokens(llm, [P2, P1, P3], [
+        SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logit_bias={5: 50.0}),
+        mine,
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.0),
+    ])
+    assert batch[1] == alone
+
+
+def test_a_failing_row_fails_alone(llm, greedy_p1) -> None:
+    """A row whose sampling raises (here: parameters corrupted after validation) fails only its request; the
+    rest of the batch gets exactly what it gets without it."""
+    engine = llm.engine
+    bad = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("good", P1, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.add_request("bad", P2, bad)
+    bad.logit_bias = {VOCAB + 7: 1.0}  # out of the vocabulary: indexing its logit raises
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["good"].outputs[0].token_ids == greedy_p1 and finals["good"].error is None
+    failed = finals["bad"]
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert "sampling its next token" in str(failed.error) and isinstance(failed.error.__cause__, IndexError)
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 # ---- stopping
 
 
@@ -216,17 +280,36 @@ def test_stop_token_ids(llm, greedy_p1) -> None:
     assert out.outputs[0].token_ids == greedy_p1[: k + 1]
 
 
-def test_eos_stops_unless_ignore_eos(tiny, greedy_p1, tmp_path) -> None:
+def test_stop_token_text_is_left_out_unless_included(llm, greedy_p1) -> None:
+    k = _first_new_index(greedy_p1)
+    stop = greedy_p1[k]
+    before, through = (run(llm, [P1], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].outputs[0]
+                       for m in (k, k + 1))
+    assert through.text != before.text, "test set-up: the stop token has text"
+    for include, want in ((False, before.text), (True, through.text)):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                                include_stop_str_in_output=include)
+        (out,) = run(llm, [P1], params)
+        assert out.outputs[0].token_ids == greedy_p1[: k + 1]  # the id stays, as in vLLM
+        assert out.outputs[0].text == want
+
+
+@pytest.fixture(scope="module")
+def eos_llm(tiny, greedy_p1, tmp_path_factory):
+    """The tiny model with its EOS id set to the first fresh token of ``greedy_p1`` (index ``k``)."""
     path, model = tiny
     k = _first_new_index(greedy_p1)
-    eos = greedy_p1[k]
-    copy = tmp_path / "eos-model"
-    shutil.copytree(path, copy)
+    copy = tmp_path_factory.mktemp("eos-model")
+    shutil.copytree(path, copy, dirs_exist_ok=True)
     for name in ("generation_config.json", "config.json"):
         data = json.loads((copy / name).read_text())
-        data["eos_token_id"] = [eos] if name == "generation_config.json" else eos
+        data["eos_token_id"] = [greedy_p1[k]] if name == "generation_config.json" else greedy_p1[k]
         (copy / name).write_text(json.dumps(data))
-    llm = _llm(copy, model)
+    return _llm(copy, model), k
+
+
+def test_eos_stops_unless_ignore_eos(eos_llm, greedy_p1) -> None:
+    llm, k = eos_llm
     (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     completion = out.outputs[0]
     assert completion.token_ids == greedy_p1[: k + 1]
@@ -234,6 +317,43 @@ def test_eos_stops_unless_ignore_eos(tiny, greedy_p1, tmp_path) -> None:
     (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert out.outputs[0].token_ids == greedy_p1
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_min_tokens_delays_eos(eos_llm, tiny, greedy_p1) -> None:
+    llm, k = eos_llm
+    eos = greedy_p1[k]
+    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS))
+    completion = out.outputs[0]
+    assert completion.token_ids == hf_penalized_greedy(tiny[1], P1, MAX_TOKENS, banned=frozenset({eos}))
+    assert eos not in completion.token_ids and completion.finish_reason == "length"
+    # Sampled too: whatever the seed, EOS never comes before min_tokens outputs.
+    for seed in range(4):
+        (out,) = run(llm, [P1], SamplingParams(temperature=1.5, seed=seed, max_tokens=MAX_TOKENS, min_tokens=5,
+                                               logit_bias={eos: 5.0}))
+        ids = out.outputs[0].token_ids
+        assert eos not in ids[:5] and len(ids) >= 6
+
+
+def test_min_tokens_delays_stop_token_ids(llm, tiny, greedy_p1) -> None:
+    k = _first_new_index(greedy_p1)
+    stop = greedy_p1[k]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], min_tokens=k + 1)
+    (out,) = run(llm, [P1], params)
+    want = hf_penalized_greedy(tiny[1], P1, k + 1, banned=frozenset({stop}))
+    assert out.outputs[0].token_ids[: k + 1] == want
+    assert stop not in out.outputs[0].token_ids[: k + 1]
+
+
+def test_min_tokens_defers_stop_strings(llm, greedy_p1) -> None:
+    (full,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    text = full.outputs[0].text
+    stop = text[:3]
+    assert text.count(stop) == 1, "test set-up: a stop string that occurs once, at the start"
+    (cut,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop]))
+    assert (cut.outputs[0].text, cut.outputs[0].finish_reason) == ("", "stop")
+    (late,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
+                                            min_tokens=2))
+    assert (late.outputs[0].text, late.outputs[0].finish_reason) == (text, "length")
 
 
 def test_stop_string_cuts_text(llm, greedy_p1) -> None:
@@ -249,6 +369,11 @@ def test_stop_string_cuts_text(llm, greedy_p1) -> None:
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert completion.token_ids == greedy_p1[: len(completion.token_ids)]
     assert len(completion.token_ids) < MAX_TOKENS or text.find(stop) + len(stop) > len(text) - 3
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=True)
+    (kept,) = run(llm, [P1], params)
+    assert kept.outputs[0].text == text[: text.find(stop) + len(stop)]
+    assert kept.outputs[0].token_ids == completion.token_ids
 
 
 # ---- logprobs

@@ -116,10 +116,25 @@ def test_empty_batch(llm, good_tokens) -> None:
                     InvalidRequestError, "no prompts")
 
 
-@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 1000, -1, 2.0, "7"], ids=["vocab", "above", "negative", "float", "str"])
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 1000, -1, 2.0, "7", True], ids=["vocab", "above", "negative", "float",
+                                                                          "str", "bool"])
 def test_token_id_out_of_vocab(llm, good_tokens, bad) -> None:
     assert_rejected(llm, good_tokens, lambda: llm.engine.add_request("oov", [5, bad, 6], GREEDY),
                     InvalidRequestError, rf"prompt token ids must be integers in \[0, {VOCAB}\)")
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (SamplingParams(stop_token_ids=[3, VOCAB]),
+         rf"stop_token_ids must be token ids in \[0, {VOCAB}\); got {VOCAB}"),
+        (SamplingParams(logit_bias={VOCAB + 5: 1.0}), rf"logit_bias keys must be token ids in \[0, {VOCAB}\); got"),
+    ],
+    ids=["stop_token_ids", "logit_bias"],
+)
+def test_param_token_ids_out_of_vocab(llm, good_tokens, params, match) -> None:
+    assert_rejected(llm, good_tokens, lambda: llm.engine.add_request("oov-param", GOOD, params),
+                    InvalidRequestError, match)
 
 
 def test_last_vocab_id_is_accepted(llm) -> None:
@@ -136,58 +151,113 @@ def test_prompt_of_wrong_type(llm, good_tokens, prompt) -> None:
 
 # ---- sampling parameters
 
+NAN, INF = float("nan"), float("inf")
+FLOATS = {  # every float field with its allowed range, as the error message states it
+    "temperature": ">= 0",
+    "top_p": r"in \(0, 1\]",
+    "min_p": r"in \[0, 1\]",
+    "presence_penalty": r"in \[-2, 2\]",
+    "frequency_penalty": r"in \[-2, 2\]",
+    "repetition_penalty": "> 0",
+}
+INTS = {"n": ">= 1", "max_tokens": ">= 1", "min_tokens": r"in \[0, 16\]", "top_k": ">= -1",
+        "logprobs": r"in \[0, 20\]", "seed": r"in \[0, 18446744073709551615\]"}
+
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        *[(dict([(name, bad)]), rf"{name} must be a finite number {allowed}, got {bad!r}")
+          for name, allowed in FLOATS.items() for bad in (NAN, INF, -INF)],
+        *[(dict([(name, bad)]), rf"{name} must be a finite number {allowed}") for name, allowed in FLOATS.items()
+          for bad in (True, "0.5", None)],
+        *[(dict([(name, bad)]), rf"{name} must be an integer {allowed}") for name, allowed in INTS.items()
+          for bad in (True, 2.0, "3")],
         (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
         (dict(max_tokens=-3), "max_tokens must be an integer >= 1, got -3"),
-        (dict(max_tokens=2.5), "max_tokens must be an integer"),
         (dict(n=0), "n must be an integer >= 1, got 0"),
-        (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
-        (dict(top_p=-0.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=-2), r"top_k must be an integer >= 0 \(0 or -1 disables it\), got -2"),
-        (dict(top_k=1.5), "top_k must be an integer"),
-        (dict(min_p=-0.01), r"min_p must be in \[0, 1\], got -0.01"),
-        (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
+        (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\], got 0.0"),
+        (dict(top_p=1.01), r"top_p must be a finite number in \(0, 1\], got 1.01"),
+        (dict(top_p=-0.5), r"top_p must be a finite number in \(0, 1\]"),
+        (dict(top_k=-2), r"top_k must be an integer >= -1 \(0 or -1 disables it\), got -2"),
+        (dict(min_p=-0.01), r"min_p must be a finite number in \[0, 1\], got -0.01"),
+        (dict(min_p=1.5), r"min_p must be a finite number in \[0, 1\], got 1.5"),
         (dict(logprobs=-1), r"logprobs must be an integer in \[0, 20\], got -1"),
         (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\], got 21"),
-        (dict(logprobs=2.0), r"logprobs must be an integer in \[0, 20\]"),
-        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
-        (dict(frequency_penalty=-2.5), r"frequency_penalty must be in \[-2, 2\]"),
-        (dict(seed=1.5), "seed must be an integer"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be a finite number in \[-2, 2\], got 2.5"),
+        (dict(frequency_penalty=-2.5), r"frequency_penalty must be a finite number in \[-2, 2\]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0, got 0.0"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number > 0"),
+        (dict(min_tokens=-1), r"min_tokens must be an integer in \[0, 16\] \(at most max_tokens\), got -1"),
+        (dict(min_tokens=5, max_tokens=4), r"min_tokens must be an integer in \[0, 4\] \(at most max_tokens\)"),
+        (dict(seed=-1), r"seed must be an integer in \[0, 18446744073709551615\], got -1"),
+        (dict(seed=2**64), r"seed must be an integer in \[0, 18446744073709551615\]"),
+        (dict(seed=2**64 - 2, n=3), r"seed \+ n - 1 must be <= 18446744073709551615"),
         (dict(stop=""), "stop must be a non-empty string"),
         (dict(stop=["ok", ""]), "stop must be a non-empty string"),
         (dict(stop=[3]), "stop must be a non-empty string"),
-        (dict(stop_token_ids=[-1]), "stop_token_ids must be non-negative integers"),
-        (dict(stop_token_ids=["a"]), "stop_token_ids must be non-negative integers"),
+        (dict(stop=5), "stop must be a non-empty string"),
+        (dict(stop=["s"] * 17), "stop has 17 strings; at most 16 are allowed"),
+        (dict(stop=["x" * 257]), "stop strings must be at most 256 characters, got one of 257"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids must be a list of non-negative integers"),
+        (dict(stop_token_ids=[True]), "stop_token_ids must be a list of non-negative integers"),
+        (dict(stop_token_ids=7), "stop_token_ids must be a list of non-negative integers"),
+        (dict(stop_token_ids=list(range(65))), "stop_token_ids has 65 ids; at most 64 are allowed"),
+        (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+        (dict(logit_bias={True: 1.0}), r"logit_bias keys must be token ids \(integers >= 0\), got True"),
+        (dict(logit_bias={-1: 1.0}), r"logit_bias keys must be token ids \(integers >= 0\), got -1"),
+        (dict(logit_bias={"5": 1.0}), r"logit_bias keys must be token ids"),
+        (dict(logit_bias={5: 100.5}), r"logit_bias\[5\] must be a finite number in \[-100, 100\], got 100.5"),
+        (dict(logit_bias={5: NAN}), r"logit_bias\[5\] must be a finite number in \[-100, 100\], got nan"),
+        (dict(logit_bias={5: -INF}), r"logit_bias\[5\] must be a finite number"),
+        (dict(logit_bias={5: "1"}), r"logit_bias\[5\] must be a finite number"),
+        (dict(logit_bias=dict.fromkeys(range(301), 1.0)), "logit_bias has 301 entries; at most 300 are allowed"),
+        (dict(ignore_eos=1), "ignore_eos must be a bool, got 1"),
+        (dict(skip_special_tokens="no"), "skip_special_tokens must be a bool"),
+        (dict(include_stop_str_in_output=None), "include_stop_str_in_output must be a bool"),
     ],
-    ids=lambda v: repr(v) if isinstance(v, dict) else "",
+    ids=repr,
 )
 def test_bad_sampling_params(kwargs, match) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"])
-def test_nan_sampling_params_are_rejected(name) -> None:
-    """NaN compares False with everything, so a range check written as ``x < 0`` lets it through."""
-    with pytest.raises(InvalidRequestError, match=name):
-        SamplingParams(**{name: float("nan")})
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [dict(top_p=1.0), dict(top_p=1e-9), dict(top_k=-1), dict(top_k=0), dict(min_p=0.0), dict(min_p=1.0),
-     dict(logprobs=0), dict(logprobs=20), dict(temperature=0.0), dict(max_tokens=1), dict(stop="x"),
-     dict(stop_token_ids=[0]), dict(presence_penalty=-2.0), dict(frequency_penalty=2.0)],
+     dict(logprobs=0), dict(logprobs=20), dict(temperature=0.0), dict(temperature=1), dict(max_tokens=1),
+     dict(stop="x"), dict(stop=("a", "b")), dict(stop=["s" * 256] * 16), dict(stop_token_ids=[0]),
+     dict(stop_token_ids=list(range(64))), dict(presence_penalty=-2.0), dict(frequency_penalty=2),
+     dict(repetition_penalty=1e-3), dict(repetition_penalty=50.0), dict(min_tokens=16), dict(min_tokens=0),
+     dict(seed=0), dict(seed=2**64 - 1), dict(seed=2**64 - 3, n=3), dict(logit_bias={}),
+     dict(logit_bias={0: -100, 49151: 100.0}), dict(logit_bias=dict.fromkeys(range(300), 0.5)),
+     dict(include_stop_str_in_output=True)],
     ids=repr,
 )
 def test_boundary_sampling_params_are_accepted(kwargs) -> None:
     params = SamplingParams(**kwargs)
     assert params.top_k >= 0  # -1 is normalised to 0 ("disabled")
+    for i in range(params.n):  # every sample's seed is a valid torch seed
+        sample = params.for_sample(i)
+        if sample.seed is not None:
+            torch.Generator().manual_seed(sample.seed)
+
+
+def test_sampling_params_keep_their_own_copies() -> None:
+    """Mutating the caller's list or dict after construction cannot smuggle an invalid value in."""
+    ids, bias = [5], {5: 1.0}
+    params = SamplingParams(stop_token_ids=ids, logit_bias=bias)
+    ids.append(-1)
+    bias[5] = float("nan")
+    assert params.stop_token_ids == [5] and params.logit_bias == {5: 1.0}
+
+
+@pytest.mark.parametrize(("temperature", "greedy"), [(0, True), (1e-6, True), (9.99e-6, True), (1e-5, False)])
+def test_tiny_temperatures_are_greedy(temperature, greedy) -> None:
+    assert SamplingParams(temperature=temperature).greedy is greedy
 
 
 # ---- engine-level request checks
@@ -293,6 +363,11 @@ def test_kv_budget_too_small_for_one_block(model_path, per_block) -> None:
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in \\(0, 1\\]"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(swap_space_bytes=-1), "swap_space_bytes must be >= 0"),
+        (dict(block_size=True), "block_size must be a power of two"),
+        (dict(max_num_seqs="4"), "max_num_seqs must be >= 1, got 4"),
+        (dict(max_model_len=64.0), "max_model_len must be >= 2"),
+        (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be in"),
+        (dict(gpu_memory_utilization=True), "gpu_memory_utilization must be in"),
     ],
     ids=repr,
 )
