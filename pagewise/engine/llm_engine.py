@@ -209,7 +209,6 @@ class LLMEngine:
         for sample in samples:
             self._owner[sample.request] = group
         self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]])
-        self.prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
@@ -270,11 +269,16 @@ class LLMEngine:
         return failed + self._collect_outputs(samples)
 
     def _computed(self, group: RequestGroup, request: Request, num_new: int) -> None:
-        """The one place a step's computed tokens are applied (and the prompt high-water mark advances)."""
+        """The one place a step's computed tokens are applied (and the prompt high-water mark advances).
+
+        ``prompt_tokens_total`` grows with the high-water marks, so over any interval it equals the prompt tokens
+        the engine's requests were billed for (prefix hits included, recomputes not counted twice)."""
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
         if num_new:  # a fork (0 new tokens) reached the prompt through its leader
+            reached = group.num_prompt_reached
             group.record_prompt_progress(start, request.num_computed_tokens)
+            self.prompt_tokens_total += group.num_prompt_reached - reached
         self.kv.register_full_blocks(request)
 
     def _append(self, group: RequestGroup, request: Request, result: SampleResult) -> None:

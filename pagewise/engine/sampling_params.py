@@ -163,7 +163,7 @@ class SamplingParams:
         for token_id, value in bias.items():
             if not is_int(token_id) or token_id < 0:
                 _fail("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-            _check_number("logit_bias", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+            _check_number(f"logit_bias[{token_id}]", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,7 @@ from pagewise.platform.errors import EXCEPTION_HANDLERS
 from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
 from pagewise.platform.inference.controllers import InferenceController
 from pagewise.platform.inference.leases import keep_leases
-from pagewise.platform.keys.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
+from pagewise.platform.keys.auth import UNGUARDED_PATHS, ApiKeyAuthMiddleware
 from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
 from pagewise.platform.openapi import describe_errors, openapi_config
@@ -159,7 +159,7 @@ def create_app(
         },
         middleware=[
             refuse_nul_bytes,
-            DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS]),
+            DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in UNGUARDED_PATHS]),
         ],
         before_send=[add_security_headers],
         exception_handlers=EXCEPTION_HANDLERS,

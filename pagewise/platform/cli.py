@@ -98,7 +98,11 @@ def _settings(args: argparse.Namespace | None = None) -> Settings:
     return Settings.from_env(engine=engine)
 
 
+ENGINE_DIED_EXIT_STATUS = 3
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    """Serve until stopped; exit status 3 when the server stopped because its engine died (restart it)."""
     import uvicorn
 
     from pagewise.engine.config import EngineConfig
@@ -111,7 +115,12 @@ def serve_command(args: argparse.Namespace) -> int:
     except (SettingsError, InvalidConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, server_header=False)
+    services = getattr(app.state, "services", None)
+    if services is not None and services.engine.error is not None:
+        print(f"error: the engine stopped after an error: {services.engine.error!r}", file=sys.stderr)
+        return ENGINE_DIED_EXIT_STATUS
     return 0
 
 

@@ -25,7 +25,7 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "num_preemptions": "Preemptions since start.",
-    "prompt_tokens_total": "Prefill tokens processed.",
+    "prompt_tokens_total": "Prompt tokens processed (prefix-cache hits included; a recompute counts once).",
     "generation_tokens_total": "Tokens generated.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",

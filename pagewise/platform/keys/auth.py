@@ -28,9 +28,9 @@ from pagewise.platform.quotas.quota_store import QuotaLimits
 LAST_USED_RESOLUTION = dt.timedelta(
     minutes=1
 )  # last_used_at is refreshed at most this often (no write per call)
-# The key middleware skips these: `/health`, `/ready` and `/schema` are public; `/metrics` runs
-# `authorize_metrics` itself, because its metrics token is not an API key.
-PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema")
+PUBLIC_PATHS = ("/health", "/ready", "/schema")  # no credentials at all
+SELF_AUTHENTICATED_PATHS = ("/metrics",)  # runs `authorize_metrics` itself: its metrics token is not an API key
+UNGUARDED_PATHS = PUBLIC_PATHS + SELF_AUTHENTICATED_PATHS  # what the key middleware skips
 
 
 class Principal(msgspec.Struct, frozen=True):
