@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
@@ -42,20 +41,21 @@ from pagewise.platform.usage.controllers import UsageController
 logger = logging.getLogger("pagewise.platform")
 
 
-def load_engine(settings: Settings) -> InProcessEngineClient:
+def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> InProcessEngineClient:
     """Load the model into an in-process engine (seconds to minutes; blocking).
 
-    If the engine's loop ever dies, the process is asked to stop (SIGTERM: a graceful shutdown); the client's
-    `error` then tells `pagewise serve` to exit non-zero, so a supervisor restarts it.
+    If the engine's loop ever dies, the error is logged and `on_dead` is called (from the engine's thread):
+    `pagewise serve` passes one that stops the server, then exits non-zero so a supervisor restarts it.
     """
     from pagewise.engine.async_engine import AsyncLLMEngine
     from pagewise.engine.config import EngineConfig
 
-    def on_dead(error: BaseException) -> None:
-        logger.critical("the engine stopped after an error; shutting the server down: %r", error)
-        os.kill(os.getpid(), signal.SIGTERM)
+    def dead(error: BaseException) -> None:
+        logger.critical("the engine stopped after an error; the server cannot serve: %r", error)
+        if on_dead is not None:
+            on_dead()
 
-    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=on_dead))
+    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=dead))
 
 
 def admin_key_file() -> Path:
@@ -92,11 +92,16 @@ def announce_admin_key(key: str) -> None:
 
 
 def create_app(
-    settings: Settings | None = None, *, engine: EngineClient | None = None, quotas: QuotaStore | None = None
+    settings: Settings | None = None,
+    *,
+    engine: EngineClient | None = None,
+    quotas: QuotaStore | None = None,
+    on_engine_dead: Callable[[], None] | None = None,
 ) -> Litestar:
     """The service. `engine` and `quotas` may be passed in (tests); otherwise they are built from settings.
 
-    A passed-in engine is started but not shut down by the app; one the app loads itself is both.
+    A passed-in engine is started but not shut down by the app; one the app loads itself is both, and
+    `on_engine_dead` is called if that engine's loop dies.
     """
     settings = settings or Settings.from_env()
 
@@ -106,7 +111,7 @@ def create_app(
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
         db = create_db_engine(settings.database_url)
         sessionmaker = create_sessionmaker(db)
-        client = engine or await anyio.to_thread.run_sync(load_engine, settings)
+        client = engine or await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
         store = quotas or (
             RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
             if settings.redis_url

@@ -115,8 +115,14 @@ def serve_command(args: argparse.Namespace) -> int:
     except (SettingsError, InvalidConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, server_header=False)
+    config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level, server_header=False)
+    server = uvicorn.Server(config)
+
+    def stop() -> None:  # from the engine's thread: uvicorn polls the flag and shuts down gracefully
+        server.should_exit = True
+
+    config.app = app = create_app(settings, on_engine_dead=stop)
+    server.run()
     services = getattr(app.state, "services", None)
     if services is not None and services.engine.error is not None:
         print(f"error: the engine stopped after an error: {services.engine.error!r}", file=sys.stderr)

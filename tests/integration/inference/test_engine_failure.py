@@ -1,0 +1,168 @@
+"""One request can no longer stop the engine for every tenant; a dead engine is visible and ends the process.
+
+- A request that raises inside the engine's step fails alone (its row `failed`, its quota settled) while another
+  tenant's concurrent request is served and `/ready` stays 200.
+- An engine whose loop died answers `/ready` 503 and every inference request 503 `engine_unavailable`.
+- `pagewise serve` whose engine dies shuts down by itself with exit status 3, so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagewise.engine.request_group import SampleState
+from pagewise.platform.app import create_app
+from pagewise.platform.engine_client import InProcessEngineClient
+from pagewise.platform.keys.key_format import generate_key
+from pagewise.platform.quotas.memory_store import InProcessQuotaStore
+from pagewise.platform.settings import Settings
+
+from ..conftest import TEST_MAX_MODEL_LEN, TEST_MODEL
+from ..harness import MODEL, Platform, bearer
+
+pytestmark = pytest.mark.anyio
+POISON = 4242  # a prompt starting with this token id makes the engine raise while processing its tokens
+
+
+async def test_a_request_raising_in_the_step_fails_alone(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = SampleState.after_token
+
+    def poisoned(self: SampleState, *args: object) -> object:
+        if self.request.prompt_token_ids[0] == POISON:
+            raise RuntimeError("poisoned request")
+        return original(self, *args)
+
+    monkeypatch.setattr(SampleState, "after_token", poisoned)
+    victim_tenant, victim = await platform.tenant_with_key()
+    _, bystander = await platform.tenant_with_key()
+    bad = {"model": MODEL, "prompt": [POISON, 11, 12, 13], "max_tokens": 8}
+    good = {"model": MODEL, "prompt": "Tell me about paged attention.", "max_tokens": 12, "ignore_eos": True}
+    failed, served = await asyncio.gather(
+        platform.http.post("/v1/completions", json=bad, headers=bearer(victim)),
+        platform.http.post("/v1/completions", json=good, headers=bearer(bystander)),
+    )
+    assert failed.status_code == 500 and set(failed.json()["error"]) == {"message", "type", "param", "code"}
+    assert "poisoned" not in failed.text  # internal errors stay internal
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 12
+    assert (await platform.http.get("/ready")).status_code == 200
+    [row] = (await platform.http.get("/v1/requests", headers=bearer(victim))).json()["data"]
+    assert row["status"] == "failed" and "poisoned request" in row["error"]
+    quota = await platform.services.quotas.usage(victim_tenant["id"])
+    assert quota.concurrent == 0 and quota.tokens_this_minute == row["usage"]["total_tokens"]
+    again = await platform.http.post("/v1/completions", json=good, headers=bearer(victim))
+    assert again.status_code == 200, again.text
+
+
+@pytest.fixture
+async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, str, InProcessEngineClient]]:
+    """An app over an engine of its own (a dead engine stays dead), with the forward pass always failing."""
+    from pagewise.engine.async_engine import AsyncLLMEngine
+    from pagewise.engine.config import EngineConfig
+
+    engine = AsyncLLMEngine(
+        EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20),
+        progress=False,
+    )
+    client = InProcessEngineClient(engine)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the device fell off the bus")
+
+    engine.engine.runner.execute = broken
+    admin_key = generate_key().key
+    settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=admin_key)
+    app = create_app(settings, engine=client, quotas=InProcessQuotaStore())
+    async with app.lifespan():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            from pagewise.platform.keys.schemas import KeyCreate
+            from pagewise.platform.keys.service import KeyService
+            from pagewise.platform.tenants.schemas import TenantCreate
+            from pagewise.platform.tenants.service import TenantService
+
+            async with app.state.sessionmaker() as session:
+                tenant = await TenantService(session).create(TenantCreate(name=f"dying-{generate_key().prefix}"))
+                key = (await KeyService(session).create(tenant.id, KeyCreate())).key
+            yield http, key, client
+    engine.shutdown()
+
+
+async def test_a_dead_engine_is_not_ready_and_refuses_requests(
+    dying_platform: tuple[httpx.AsyncClient, str, InProcessEngineClient],
+) -> None:
+    http, key, client = dying_platform
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    statuses = [(await http.post("/v1/completions", json=body, headers=bearer(key))).status_code for _ in range(3)]
+    assert all(s in (500, 503) for s in statuses), statuses  # each failed step fails its request; the third kills
+    assert client.error is not None
+    ready = await http.get("/ready")
+    assert ready.status_code == 503 and ready.json()["model_loaded"] is False
+    refused = await http.post("/v1/completions", json=body, headers=bearer(key))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
+    """The real server, with the forward pass broken by the test before it starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "serve_broken.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from pagewise.engine.model_runner import ModelRunner
+            from pagewise.cli import main
+
+            def broken(self, step):
+                raise RuntimeError("injected by the test")
+
+            ModelRunner.execute = broken
+            sys.exit(main(["serve", "--port", "{port}", "--max-model-len", "{TEST_MAX_MODEL_LEN}",
+                           "--kv-cache-memory-bytes", "{64 * 2**20}"]))
+            """
+        )
+    )
+    admin_key = generate_key().key
+    env = {
+        **os.environ,
+        "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'dying.db'}",
+        "PAGEWISE_ADMIN_KEY": admin_key,
+    }
+    env.pop("PAGEWISE_REDIS_URL", None)
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        for _ in range(3):
+            if process.poll() is not None:
+                break
+            try:
+                httpx.post(f"{base}/v1/completions", json=body, headers=bearer(admin_key), timeout=30)
+            except httpx.HTTPError:
+                break
+        assert process.wait(timeout=60) == 3, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "the engine stopped after an error" in log.read_text()
