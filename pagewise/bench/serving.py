@@ -30,9 +30,7 @@ import asyncio
 import json
 import math
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from pagewise.bench._common import progress as log
+from pagewise.bench.local_server import local_server
 
 DEFAULT_NUM_REQUESTS = 32
 DEFAULT_CONCURRENCY = 8
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_OVERHEAD_REQUESTS = 40
 DEFAULT_MAX_MODEL_LEN = 1024
-SERVER_START_TIMEOUT_S = 300
 PROGRESS_INTERVAL_S = 5.0
 MAX_ERROR_MESSAGES = 5
 _TOPICS = (
@@ -174,75 +172,14 @@ class Progress:
 # ---- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
-def local_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
-    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key).
-
-    The admin key is generated here and given to the server's first start in ``PAGEWISE_ADMIN_KEY``.
-    """
-    from pagewise.platform.keys.key_format import generate_key
-
-    admin_key = generate_key().key
+def bench_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
+    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key)."""
     with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
-        port = _free_port()
-        env = {
-            **os.environ,
-            "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}",
-            "PAGEWISE_ADMIN_KEY": admin_key,
-        }
-        env.pop("PAGEWISE_REDIS_URL", None)
-        command = [
-            sys.executable,
-            "-m",
-            "pagewise.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            model,
-            "--max-model-len",
-            str(max_model_len),
-            "--log-level",
-            "warning",
-        ]
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("w") as server_log:
-            process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(base, process, log_path)
-            yield base, admin_key
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_ready(base: str, process: subprocess.Popen, log_path: Path) -> None:
-    """Poll ``/ready`` until it answers 200; `RuntimeError` (with the server's output) if it exits or times out."""
-    import httpx
-
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready in {SERVER_START_TIMEOUT_S} s:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+        database_url = f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"
+        args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level", "warning"]
+        with local_server(Path(tmp), database_url, args) as server:
+            yield server.base, server.admin_key
 
 
 def create_inference_key(base: str, admin_key: str) -> str:
@@ -538,7 +475,7 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         yield base, args.api_key or create_inference_key(base, args.admin_key)
         return
     log(f"starting pagewise serve ({args.model}, max_model_len {args.max_model_len})")
-    with local_server(args.model, args.max_model_len) as (base, admin_key):
+    with bench_server(args.model, args.max_model_len) as (base, admin_key):
         log(f"server ready at {base}")
         yield base, create_inference_key(base, admin_key)
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from pagewise.platform.quotas.quota_store import DEFAULT_LEASE_S
+
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///pagewise.db"
 _SUPPORTED_DRIVERS = ("sqlite+aiosqlite", "postgresql+asyncpg")
 _POSITIVE_ENGINE_FLAGS = (
@@ -55,7 +57,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_key_prefix: str = "pagewise:"
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     max_body_bytes: int = 1_000_000
-    quota_lease_s: float = 600.0
+    quota_lease_s: float = DEFAULT_LEASE_S
     auto_migrate: bool = True
     otel_exporter_otlp_endpoint: str | None = None
     admin_key: str | None = None

@@ -51,3 +51,22 @@ def chat_body(content: str = "Say hi", **extra: Any) -> dict[str, Any]:
         "temperature": 0,
         **extra,
     }
+
+
+def asgi_scope(path: str, key: str) -> dict[str, Any]:
+    """The ASGI scope of a JSON `POST path` with `key`: for tests that drive the app's receive/send themselves
+    (to hang up at a chosen moment)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("test", 80),
+    }

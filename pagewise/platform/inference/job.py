@@ -39,7 +39,7 @@ from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import never_fits
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
-from pagewise.platform.quotas.quota_store import Reservation
+from pagewise.platform.quotas.quota_store import Decision, Reservation, first_rejection
 from pagewise.platform.requests.store import FinishedRequest
 from pagewise.platform.services import PlatformServices
 
@@ -111,6 +111,22 @@ class InferenceJob:
         self._persisting: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._billed: Billed | None = None
+
+    @staticmethod
+    async def precheck(services: PlatformServices, principal: Principal, slots: int = 1) -> None:
+        """Before the costly part of preparing a request (tokenizing it): a 429 when the tenant is already at its
+        concurrency or request-rate limit, so a flood of large prompts costs the server a counter read each.
+        Admission checks everything again, atomically; this only refuses early."""
+        limits = principal.limits
+        if limits.max_concurrent_requests is None and limits.requests_per_minute is None:
+            return
+        usage = await services.quotas.usage(principal.tenant_id)
+        rejected = first_rejection(
+            limits, 0, slots, usage.concurrent, usage.requests_this_minute, 0, 0
+        )
+        if rejected is not None:
+            services.metrics.quota_rejections.labels(principal.tenant_id, rejected).inc()
+            raise quota_exceeded(Decision(None, rejected, usage, limits), 0, slots)
 
     @classmethod
     async def admit(

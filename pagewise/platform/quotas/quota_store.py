@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 import msgspec
 
 Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget"]
-DEFAULT_LEASE_S = 600.0
+DEFAULT_LEASE_S = 60.0  # the heartbeat renews live leases every third of this
 
 
 class QuotaLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,17 +12,15 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pagewise.platform.keys.key_format import generate_key
+from pagewise.bench.local_server import local_server
 
 from ..conftest import REDIS_URL, TEST_MAX_MODEL_LEN
 
@@ -36,57 +34,19 @@ SEED = os.environ.get("PAGEWISE_FUZZ_SEED", "20261201")
 _CASES = re.compile(r"(\d+) generated")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgres+redis"])
 def server(
     request: pytest.FixtureRequest, fresh_database: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:
     """(base URL, admin key) of `pagewise serve` on a fresh database of the backend."""
     backend = request.param
-    admin_key = generate_key().key
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PAGEWISE_DATABASE_URL": fresh_database("sqlite" if backend == "sqlite" else "postgres"),
-        "PAGEWISE_ADMIN_KEY": admin_key,
-    }
-    env.pop("PAGEWISE_REDIS_URL", None)
+    env = {}
     if backend == "postgres+redis":
-        env["PAGEWISE_REDIS_URL"] = REDIS_URL
-        env["PAGEWISE_REDIS_KEY_PREFIX"] = f"pagewise_fuzz_{secrets.token_hex(4)}:"
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    command = [
-        str(Path(sys.executable).parent / "pagewise"), "serve", "--port", str(port),
-        "--max-model-len", str(TEST_MAX_MODEL_LEN),
-    ]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base, process, log)
-        yield base, admin_key
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-def _wait_ready(base: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready in time:\n{log.read_text()}")
+        env = {"PAGEWISE_REDIS_URL": REDIS_URL, "PAGEWISE_REDIS_KEY_PREFIX": f"pagewise_fuzz_{secrets.token_hex(4)}:"}
+    database_url = fresh_database("sqlite" if backend == "sqlite" else "postgres")
+    args = ["--max-model-len", str(TEST_MAX_MODEL_LEN)]
+    with local_server(tmp_path_factory.mktemp("fuzz"), database_url, args, env=env) as server:
+        yield server.base, server.admin_key
 
 
 def _cheapen_admin_tenant(base: str, admin_key: str) -> None:

@@ -2,79 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from pagewise.platform.keys.key_format import generate_key
+from pagewise.bench.local_server import local_server
 
 MODEL = "smollm2-135m-instruct"
-STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(base URL, admin key): the first start on an empty database stores the key given in PAGEWISE_ADMIN_KEY."""
-    port = _free_port()
-    admin_key = generate_key().key
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {
-        **os.environ,
-        "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{log_path.parent / 'e2e.db'}",
-        "PAGEWISE_ADMIN_KEY": admin_key,
-    }
-    env.pop("PAGEWISE_REDIS_URL", None)
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagewise.platform",
-                "serve",
-                "--port",
-                str(port),
-                "--max-model-len",
-                "512",
-                "--log-level",
-                "warning",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=Path(__file__).resolve().parents[3],
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"server did not become ready:\n{log_path.read_text()}")
-        yield base, admin_key
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    assert admin_key.split("_", 2)[2] not in log_path.read_text()  # the secret never reaches the output
+    workdir = tmp_path_factory.mktemp("server")
+    database_url = f"sqlite+aiosqlite:///{workdir / 'e2e.db'}"
+    serve = (sys.executable, "-m", "pagewise.platform", "serve")
+    with local_server(workdir, database_url, ["--max-model-len", "512"], command=serve) as server:
+        yield server.base, server.admin_key
+        log = server.log_path
+    assert server.admin_key.split("_", 2)[2] not in log.read_text()  # the secret never reaches the output
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from typing import Any
 
 import pytest
 from litestar.types import Message
@@ -18,29 +17,12 @@ from sqlalchemy import select
 
 from pagewise.platform.db.models import RequestRecord
 
-from ..harness import MODEL, Platform
+from ..harness import MODEL, Platform, asgi_scope
 
 pytestmark = pytest.mark.anyio
 
 DISCONNECT_POINTS = sorted({0, 1, 2, 3, 5, 8, 13, *random.Random(13).sample(range(4, 40), 5)})
 MAX_TOKENS = 24  # fewer events than the largest points: those requests complete before the hang-up
-
-
-def _scope(key: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5000),
-        "server": ("test", 80),
-    }
 
 
 async def _stream_and_hang_up(platform: Platform, key: str, prompt: str, after_events: int) -> None:
@@ -64,7 +46,7 @@ async def _stream_and_hang_up(platform: Platform, key: str, prompt: str, after_e
             if state["events"] >= after_events:
                 gone.set()
 
-    await asyncio.wait_for(platform.app(_scope(key), receive, send), timeout=120)
+    await asyncio.wait_for(platform.app(asgi_scope("/v1/completions", key), receive, send), timeout=120)
 
 
 async def _engine_counters(platform: Platform) -> tuple[int, int]:

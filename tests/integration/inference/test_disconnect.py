@@ -8,7 +8,7 @@ import json
 import pytest
 from litestar.types import Message
 
-from ..harness import MODEL, Platform, bearer
+from ..harness import MODEL, Platform, asgi_scope, bearer
 
 pytestmark = pytest.mark.anyio
 
@@ -34,21 +34,7 @@ async def test_disconnect_mid_stream_cancels_and_bills(platform: Platform) -> No
             if state["events"] >= 4:  # role-less completion: 4 text deltas, then hang up
                 gone.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5000),
-        "server": ("test", 80),
-    }
-    await asyncio.wait_for(platform.app(scope, receive, send), timeout=120)
+    await asyncio.wait_for(platform.app(asgi_scope("/v1/completions", key), receive, send), timeout=120)
 
     [row] = (await platform.http.get("/v1/requests", headers=bearer(key))).json()["data"]
     assert row["status"] == "cancelled"

@@ -9,18 +9,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pagewise.bench.local_server import local_server
 from pagewise.engine.request_group import SampleState
 from pagewise.platform.app import create_app
 from pagewise.platform.engine_client import InProcessEngineClient
@@ -114,13 +111,10 @@ async def test_a_dead_engine_is_not_ready_and_refuses_requests(
 
 def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
     """The real server, with the forward pass broken by the test before it starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     script = tmp_path / "serve_broken.py"
     script.write_text(
         textwrap.dedent(
-            f"""
+            """
             import sys
             from pagewise.engine.model_runner import ModelRunner
             from pagewise.cli import main
@@ -129,40 +123,20 @@ def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
                 raise RuntimeError("injected by the test")
 
             ModelRunner.execute = broken
-            sys.exit(main(["serve", "--port", "{port}", "--max-model-len", "{TEST_MAX_MODEL_LEN}",
-                           "--kv-cache-memory-bytes", "{64 * 2**20}"]))
+            sys.exit(main(["serve", *sys.argv[1:]]))
             """
         )
     )
-    admin_key = generate_key().key
-    env = {
-        **os.environ,
-        "PAGEWISE_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'dying.db'}",
-        "PAGEWISE_ADMIN_KEY": admin_key,
-    }
-    env.pop("PAGEWISE_REDIS_URL", None)
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    args = ["--max-model-len", str(TEST_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(64 * 2**20)]
+    database_url = f"sqlite+aiosqlite:///{tmp_path / 'dying.db'}"
+    with local_server(tmp_path, database_url, args, command=[sys.executable, str(script)]) as server:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-        for _ in range(3):
-            if process.poll() is not None:
+        for _ in range(3):  # three failed steps in a row kill the engine
+            if server.process.poll() is not None:
                 break
             try:
-                httpx.post(f"{base}/v1/completions", json=body, headers=bearer(admin_key), timeout=30)
+                httpx.post(f"{server.base}/v1/completions", json=body, headers=bearer(server.admin_key), timeout=30)
             except httpx.HTTPError:
                 break
-        assert process.wait(timeout=60) == 3, log.read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert "the engine stopped after an error" in log.read_text()
+        assert server.process.wait(timeout=60) == 3, server.log_path.read_text()[-3000:]
+        assert "the engine stopped after an error" in server.log_path.read_text()

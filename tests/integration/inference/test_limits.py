@@ -83,16 +83,16 @@ async def test_prompt_list_reserves_every_prompt(platform: Platform) -> None:
 
 
 async def test_default_max_tokens_fits_a_small_token_limit(platform: Platform) -> None:
-    """With TPM 200 and no max_tokens, the request is admitted (its output bounded to fit), not a 429 forever."""
-    tenant, key = await platform.tenant_with_key(tokens_per_minute=200)
+    """With TPM 120 and no max_tokens, the request is admitted (its output bounded to fit), not a 429 forever."""
+    tenant, key = await platform.tenant_with_key(tokens_per_minute=120)
     body = chat_body()
     del body["max_tokens"]
     response = await platform.http.post("/v1/chat/completions", json={**body, "ignore_eos": True}, headers=bearer(key))
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    assert usage["total_tokens"] == 200  # the prompt plus every output token the limit allowed
+    assert usage["total_tokens"] == 120  # the prompt plus every output token the limit allowed
     quota = await platform.services.quotas.usage(tenant["id"])
-    assert quota.tokens_this_minute == 200
+    assert quota.tokens_this_minute == 120
 
 
 async def test_prompt_alone_over_the_token_limit_is_400(platform: Platform) -> None:
@@ -120,3 +120,20 @@ async def test_429_names_the_limit_and_what_remains(platform: Platform) -> None:
     message = second.json()["error"]["message"]
     assert "tokens per minute" in message and "remaining" in message
     assert int(second.headers["retry-after"]) >= 1
+
+
+async def test_a_tenant_at_its_limit_is_refused_before_tokenizing(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cheap limits first: a flood of large prompts from a tenant at its request rate costs a counter read each."""
+    _, key = await platform.tenant_with_key(requests_per_minute=1)
+    first = await platform.http.post("/v1/completions", json=_prompts(1), headers=bearer(key))
+    assert first.status_code == 200, first.text
+    encoded: list[int] = []
+    real_encode = platform.services.engine.encode
+    monkeypatch.setattr(platform.services.engine, "encode", lambda text: encoded.append(len(text)) or real_encode(text))
+    huge = {"model": MODEL, "prompt": "word " * 150_000, "max_tokens": 2}
+    refused = await platform.http.post("/v1/completions", json=huge, headers=bearer(key))
+    assert refused.status_code == 429, refused.text
+    assert "requests per minute" in refused.json()["error"]["message"]
+    assert encoded == []

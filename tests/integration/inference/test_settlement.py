@@ -26,26 +26,9 @@ from pagewise.platform.inference.schemas import CompletionRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.quota_store import QuotaLimits
 
-from ..harness import MODEL, Platform, bearer
+from ..harness import MODEL, Platform, asgi_scope, bearer
 
 pytestmark = pytest.mark.anyio
-
-
-def _scope(path: str, key: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5000),
-        "server": ("test", 80),
-    }
 
 
 async def _rows(platform: Platform, tenant_id: str) -> list[RequestRecord]:
@@ -84,7 +67,7 @@ async def test_disconnect_before_first_chunk_releases_the_slot(platform: Platfor
     async def send(message: Message) -> None:
         sent.append(message)
 
-    await asyncio.wait_for(platform.app(_scope(path, key), receive, send), timeout=120)
+    await asyncio.wait_for(platform.app(asgi_scope(path, key), receive, send), timeout=120)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     row = await _assert_settled(platform, tenant["id"], "cancelled")
     # the engine may have run the prefill (and even a token) before it saw the abort: that is billed, and no more
@@ -216,7 +199,7 @@ async def test_engine_side_abort_ends_cancelled(platform: Platform) -> None:
                 request_id = json.loads(message["body"].removeprefix(b"data: "))["id"]
                 await platform.services.engine.abort(f"{request_id}-0")
 
-    await asyncio.wait_for(platform.app(_scope("/v1/completions", key), receive, send), timeout=120)
+    await asyncio.wait_for(platform.app(asgi_scope("/v1/completions", key), receive, send), timeout=120)
     last = json.loads(events[-1].removeprefix(b"data: "))
     assert last["choices"][0]["finish_reason"] == "abort"
     row = await _assert_settled(platform, tenant["id"], "cancelled")

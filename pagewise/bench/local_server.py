@@ -1,0 +1,86 @@
+"""``pagewise serve`` in a child process on a free port: what benchmarks and end-to-end tests drive.
+
+The child gets a fresh admin key through ``PAGEWISE_ADMIN_KEY`` (its first start on an empty database stores it),
+its output goes to a log file that every error quotes, and it is ready once ``/ready`` answers 200.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+START_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True, slots=True)
+class LocalServer:
+    base: str
+    admin_key: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def local_server(
+    workdir: Path,
+    database_url: str,
+    serve_args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] | None = None,
+) -> Iterator[LocalServer]:
+    """Start the server (``command`` + ``--port P`` + ``serve_args``; default ``python -m pagewise.cli serve``) on
+    ``database_url`` and yield it once ready; stop it afterwards. ``env`` adds variables (``PAGEWISE_REDIS_URL`` is
+    dropped unless given there)."""
+    from pagewise.platform.keys.key_format import generate_key
+
+    admin_key, port = generate_key().key, free_port()
+    environment = {**os.environ, "PAGEWISE_DATABASE_URL": database_url, "PAGEWISE_ADMIN_KEY": admin_key}
+    environment.pop("PAGEWISE_REDIS_URL", None)
+    environment.update(env or {})
+    argv = [*(command or (sys.executable, "-m", "pagewise.cli", "serve")), "--port", str(port), *serve_args]
+    log_path = workdir / "server.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
+    server = LocalServer(f"http://127.0.0.1:{port}", admin_key, process, log_path)
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_ready(server: LocalServer) -> None:
+    """Poll ``/ready`` until it answers 200; `RuntimeError` (with the server's output) if it exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready in {START_TIMEOUT_S} s:\n{server.log_path.read_text()}")
+        try:
+            if httpx.get(f"{server.base}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
