@@ -188,7 +188,10 @@ def create_inference_key(base: str, admin_key: str) -> str:
 
     admin = {"Authorization": f"Bearer {admin_key}"}
     name = f"bench-{int(time.time() * 1000)}"
-    tenant = httpx.post(f"{base}/admin/tenants", json={"name": name}, headers=admin, timeout=30)
+    unlimited = dict.fromkeys(
+        ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_tokens_per_request", "max_n")
+    )
+    tenant = httpx.post(f"{base}/admin/tenants", json={"name": name, **unlimited}, headers=admin, timeout=30)
     tenant.raise_for_status()
     key = httpx.post(f"{base}/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=admin, timeout=30)
     key.raise_for_status()
