@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagewise.bench import capacity, kernels, parallel_sampling, prefix, serving, throughput
+from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, throughput
 from pagewise.platform import cli as platform_cli
 
 
@@ -23,6 +23,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float)
     group.add_argument("--swap-space-bytes", type=int)
     group.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    group.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "fair"],
+        help="fcfs, or fair: tenants share the engine by weighted served tokens (default: fcfs; serve: fair)",
+    )
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
@@ -79,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving):
+    for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
         module.register(bench)
     platform_cli.register(commands)
     return parser

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import Any
 
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, StepFailedError
@@ -116,7 +117,7 @@ class AsyncLLMEngine:
         """What killed the engine, or None."""
         return self._error
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """A snapshot taken after the engine's latest step."""
         return dict(self._stats)
 
@@ -138,6 +139,7 @@ class AsyncLLMEngine:
         tenant_id: str | None = None,
         *,
         usage: Future | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield ``RequestOutput`` deltas for one request until it finishes. ``usage``, if given, is resolved
         with the request's final ``RequestUsage`` however the request ends (see the module docstring) — once the
@@ -163,7 +165,7 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(f"request id {caller_id!r} is already in use")
             self._by_caller[caller_id] = call.engine_id
             self._calls[call.engine_id] = call
-            self._post(("add", call, token_ids, text, params, tenant_id))
+            self._post(("add", call, token_ids, text, params, tenant_id, tenant_weight))
         ended = False
         try:
             while not ended:
@@ -235,14 +237,24 @@ class AsyncLLMEngine:
             else:
                 self._add(*message[1:])
 
-    def _add(self, call: _Call, token_ids: list[int], text: str | None, params: SamplingParams, tenant_id) -> None:
+    def _add(
+        self,
+        call: _Call,
+        token_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        tenant_id: str | None,
+        tenant_weight: float,
+    ) -> None:
         with self._lock:
             listening = self._calls.get(call.engine_id) is call
         if not listening:  # the consumer left before the request got here
             _resolve(call.usage, NO_USAGE)
             return
         try:
-            self.engine.add_request(call.engine_id, token_ids, params, tenant_id, delta=True, prompt_text=text)
+            self.engine.add_request(
+                call.engine_id, token_ids, params, tenant_id, delta=True, prompt_text=text, tenant_weight=tenant_weight
+            )
         except Exception as error:  # noqa: BLE001 - one request's failure is its own
             if not isinstance(error, InvalidRequestError):
                 _logger.warning("request %r could not be added", call.request_id, exc_info=error)

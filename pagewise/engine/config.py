@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 1024**3
     dtype: str = "float32"
     device: str = "cpu"
@@ -68,6 +69,8 @@ class EngineConfig:
             fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "fair"):
+            fail(f"scheduling_policy must be 'fcfs' or 'fair', got {self.scheduling_policy!r}")
         if not is_int(self.swap_space_bytes) or self.swap_space_bytes < 0:
             fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.dtype not in _DTYPES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -99,6 +100,7 @@ class LLMEngine:
             self.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.preemption_mode,
+            config.scheduling_policy,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sampler = Sampler(
@@ -173,9 +175,13 @@ class LLMEngine:
         *,
         delta: bool = False,
         prompt_text: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
-        """Queue a request. ``tenant_id`` salts its prefix-cache hashes. With ``delta``, ``step`` reports only
-        what is new since the last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt."""
+        """Queue a request. ``tenant_id`` salts its prefix-cache hashes and, with ``tenant_weight``, names its
+        share under the ``fair`` scheduling policy. With ``delta``, ``step`` reports only what is new since the
+        last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt."""
+        if not (isinstance(tenant_weight, int | float) and 0 < tenant_weight <= 1e6):
+            raise InvalidRequestError(f"tenant_weight must be a number in (0, 1e6], got {tenant_weight!r}")
         params = params or SamplingParams()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -208,7 +214,7 @@ class LLMEngine:
         self._groups[request_id] = group
         for sample in samples:
             self._owner[sample.request] = group
-        self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]])
+        self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]], tenant_weight)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
@@ -358,7 +364,9 @@ class LLMEngine:
 
     # ---- introspection
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges with vLLM's meanings; under the ``fair`` policy, ``tenants`` holds each active
+        tenant's served-token counter, weight and running / waiting sequences."""
         free = self.pool.num_free
         s = self.scheduler
         return {
@@ -375,6 +383,8 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "prefix_cache_queries": s.stats.prefix_cache_queries,
             "prefix_cache_hits": s.stats.prefix_cache_hits,
+            "scheduling_policy": self.config.scheduling_policy,
+            "tenants": s.fair.snapshot(list(s.waiting), s.running) if s.fair is not None else {},
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -38,6 +38,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_charged_tokens: int = 0  # positions charged to the tenant's fair share (a high-water mark)
     block_ids: list[int] = field(default_factory=list)
     swap_slots: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -1,11 +1,18 @@
 """Continuous batching under one token budget per step.
 
 Each step, every scheduled request's computed tokens catch up with its tokens: a decode needs one, a prefill
-needs its prompt, a chunk of a prefill needs whatever budget remains. Running requests go first (oldest first),
-then swapped ones come back, then waiting ones are admitted in arrival order. When a running request cannot get
-a block, the most recently arrived running request is preempted — swapped to host memory
-(``preemption_mode="swap"``, while it is decoding and host slots remain) or freed and requeued at the front of
-the waiting queue for recompute.
+needs its prompt, a chunk of a prefill needs whatever budget remains. When a running request cannot get a block,
+a running request is preempted — swapped to host memory (``preemption_mode="swap"``, while it is decoding and
+host slots remain) or freed and requeued at the front of the waiting queue for recompute.
+
+Two policies decide the order:
+- ``fcfs``: running requests first (oldest first), then swapped ones come back, then waiting ones are admitted in
+  arrival order; the victim of a preemption is the most recently arrived running request.
+- ``fair``: tenants share the engine by weighted served tokens (``fair_share.py``). Decodes go first (one token
+  each, least-served tenant first), then swapped requests come back, then the prefill work — chunks of running
+  prompts and admissions of waiting requests alike — goes to the least-served tenant first, each tenant's own
+  requests in arrival order; the victim is the newest running request of the most-served tenant. So a tenant's
+  flood of long prompts cannot hold the budget while another tenant waits for its first token.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagewise.engine.fair_share import FairShare, tenant_of
 from pagewise.engine.kv_cache_manager import BlockOp, KVCacheManager
 from pagewise.engine.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "fair")
 
 
 @dataclass(slots=True)
@@ -57,6 +67,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         preemption_mode: str,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -68,13 +79,19 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.pending_forks: dict[Request, list[Request]] = {}
         self.stats = SchedulerStats()
+        self.fair = FairShare() if policy == "fair" else None
         self._budget = 0
 
-    def add_request(self, leader: Request, followers: list[Request] | None = None) -> None:
-        """Queue a request; ``followers`` (samples 1..n-1) fork from it when its prefill completes."""
+    def add_request(
+        self, leader: Request, followers: list[Request] | None = None, tenant_weight: float = 1.0
+    ) -> None:
+        """Queue a request; ``followers`` (samples 1..n-1) fork from it when its prefill completes.
+        ``tenant_weight`` is the share its tenant gets under the ``fair`` policy (the latest request's wins)."""
         self.waiting.append(leader)
         if followers:
             self.pending_forks[leader] = followers
+        if self.fair is not None:
+            self.fair.arrive(leader, 1 + len(followers or ()), tenant_weight)
 
     @property
     def num_unfinished(self) -> int:
@@ -84,32 +101,77 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
-        preempted = self._schedule_running(out)
-        if not preempted:
-            self._schedule_swapped(out)
-        if not preempted and not self.swapped:
-            self._schedule_waiting(out)
+        if self.fair is None:
+            preempted = self._schedule_running(out, list(self.running))
+            if not preempted:
+                self._schedule_swapped(out)
+            if not preempted and not self.swapped:
+                self._schedule_waiting(out)
+        else:
+            self._schedule_fair(out)
         out.block_ops = self.kv.take_block_ops()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> bool:
+    def _schedule_running(self, out: SchedulerOutput, requests: list[Request]) -> bool:
+        """Give each running request of ``requests``, in that order, the tokens it needs (budget permitting);
+        True if a preemption happened."""
         preempted = False
-        i = 0
-        while i < len(self.running) and self._budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
-            if num_new <= 0:  # a sample forked in this very step
-                i += 1
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                preempted = True
-                if victim is request:
-                    return preempted
-            self._add(out, request, num_new)
-            i += 1
+        for request in requests:
+            if self._budget <= 0:
+                break
+            if request.status is RequestStatus.RUNNING and request not in out.scheduled:
+                preempted |= self._continue(out, request)
         return preempted
+
+    def _continue(self, out: SchedulerOutput, request: Request) -> bool:
+        """Schedule a running request's next tokens, preempting victims until its blocks fit (it may be its own
+        victim); True if a preemption happened."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+        if num_new <= 0:  # a sample forked in this very step
+            return False
+        preempted = False
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self._victim()
+            self._preempt(victim, out)
+            preempted = True
+            if victim is request:
+                return preempted
+        self._add(out, request, num_new)
+        return preempted
+
+    def _victim(self) -> Request:
+        if self.fair is None:
+            return self.running[-1]
+        heaviest = max(self.fair.served.get(tenant_of(r), 0.0) for r in self.running)
+        return next(r for r in reversed(self.running) if self.fair.served.get(tenant_of(r), 0.0) == heaviest)
+
+    def _schedule_fair(self, out: SchedulerOutput) -> None:
+        """Decodes, then swapped requests, then prefill work (running chunks and admissions), each in fair order."""
+        fair = self.fair
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        preempted = self._schedule_running(out, sorted(decodes, key=fair.key))
+        if not preempted:
+            self._schedule_swapped(out)
+        admit = not preempted and not self.swapped
+        while self._budget > 0:
+            prefills = [r for r in self.running if r not in out.scheduled and r.num_tokens - r.num_computed_tokens > 1]
+            heads = self._waiting_heads() if admit else []
+            candidates = sorted(prefills + heads, key=fair.key)
+            if not candidates:
+                return
+            request = candidates[0]
+            if request.status is RequestStatus.RUNNING:
+                if self._continue(out, request):
+                    admit = False
+            elif not self._admit(out, request):
+                admit = False
+
+    def _waiting_heads(self) -> list[Request]:
+        """Each tenant's first waiting request (a preempted one requeued at the front comes first)."""
+        heads: dict[str, Request] = {}
+        for request in self.waiting:
+            heads.setdefault(tenant_of(request), request)
+        return list(heads.values())
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -123,32 +185,41 @@ class Scheduler:
                 self._add(out, request, num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        while self.waiting and self._budget > 0:
-            request = self.waiting[0]
-            group_size = 1 + len(self.pending_forks.get(request, ()))
-            if len(self.running) + group_size > self.max_num_seqs:
-                return
-            prefix = self.kv.lookup_prefix(request)
-            num_new = request.num_tokens - len(prefix) * self.kv.block_size
-            if num_new > self._budget:
-                if not self.enable_chunked_prefill:
-                    return
-                num_new = self._budget
-            if not self.kv.allocate_slots(request, num_new, prefix):
-                return
-            self.waiting.popleft()
-            if request.num_output_tokens == 0:
-                request.num_cached_tokens = request.num_computed_tokens
-            self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += request.num_computed_tokens
-            self._start(request)
-            self._add(out, request, num_new)
+        while self.waiting and self._budget > 0 and self._admit(out, self.waiting[0]):
+            pass
+
+    def _admit(self, out: SchedulerOutput, request: Request) -> bool:
+        """Start a waiting request (its prefix-cache hit, then as much of its prompt as the budget allows);
+        False, changing nothing, if it does not fit now (sequences, budget without chunking, or blocks)."""
+        group_size = 1 + len(self.pending_forks.get(request, ()))
+        if len(self.running) + group_size > self.max_num_seqs:
+            return False
+        prefix = self.kv.lookup_prefix(request)
+        num_new = request.num_tokens - len(prefix) * self.kv.block_size
+        if num_new > self._budget:
+            if not self.enable_chunked_prefill:
+                return False
+            num_new = self._budget
+        if not self.kv.allocate_slots(request, num_new, prefix):
+            return False
+        self.waiting.remove(request)
+        if request.num_output_tokens == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += request.num_computed_tokens
+        if self.fair is not None:
+            self.fair.charge_cached(request, request.num_computed_tokens)
+        self._start(request)
+        self._add(out, request, num_new)
+        return True
 
     def _start(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_order)
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        if self.fair is not None:
+            self.fair.charge(request, num_new)
         out.scheduled[request] = num_new
         self._budget -= num_new
         followers = self.pending_forks.get(request)
@@ -157,6 +228,7 @@ class Scheduler:
             for follower in followers:
                 self.kv.fork(request, follower)
                 follower.num_computed_tokens = request.num_tokens
+                follower.num_charged_tokens = request.num_tokens  # the leader paid for the shared prompt
                 follower.num_cached_tokens = request.num_cached_tokens
                 self._start(follower)
                 out.scheduled[follower] = 0
@@ -195,4 +267,6 @@ class Scheduler:
                 del self.pending_forks[leader]
         self.kv.free(request)
         self.kv.release_swap(request)
+        if self.fair is not None and request.status is not RequestStatus.FINISHED:
+            self.fair.leave(request)
         request.status = RequestStatus.FINISHED

@@ -51,12 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create = tenants.add_parser("create", help="create a tenant")
     create.add_argument("name")
     _add_quota_flags(create)
+    _add_weight_flag(create)
     create.set_defaults(func=_sync(_tenants_create))
     tenants.add_parser("list", help="list tenants").set_defaults(func=_sync(_tenants_list))
-    update = tenants.add_parser("update", help="change a tenant's quotas or status (-1 = no limit)")
+    update = tenants.add_parser("update", help="change a tenant's quotas, weight or status (-1 = no limit)")
     update.add_argument("name")
     update.add_argument("--status", choices=["active", "suspended"])
     _add_quota_flags(update)
+    _add_weight_flag(update)
     update.set_defaults(func=_sync(_tenants_update))
 
     keys = subparsers.add_parser("keys", help="manage API keys").add_subparsers(
@@ -91,6 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_quota_flags(parser: argparse.ArgumentParser) -> None:
     for field, flag in _QUOTA_FLAGS.items():
         parser.add_argument(flag, dest=field, type=int, help=field.replace("_", " "))
+
+
+def _add_weight_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weight", type=float, help="scheduling weight (tier): 2 gets twice the engine time of 1 (default 1)"
+    )
 
 
 def _settings(args: argparse.Namespace | None = None) -> Settings:
@@ -207,16 +215,21 @@ def _quota_values(args: argparse.Namespace) -> dict[str, int | None]:
     return {f: None if v < 0 else v for f, v in given.items()}
 
 
+def _tenant_values(args: argparse.Namespace) -> dict[str, float | int | None]:
+    """The quotas and weight given on the command line (the service checks them)."""
+    return _quota_values(args) | ({"weight": args.weight} if args.weight is not None else {})
+
+
 def _print_tenant(tenant: Any) -> None:
     quotas = " ".join(f"{f}={getattr(tenant, f)}" for f in _QUOTA_FLAGS)
-    print(f"{tenant.id}  {tenant.name}  {tenant.status}  {quotas}")
+    print(f"{tenant.id}  {tenant.name}  {tenant.status}  weight={tenant.weight:g}  {quotas}")
 
 
 async def _tenants_create(session: Any, args: argparse.Namespace) -> None:
     from pagewise.platform.tenants.schemas import TenantCreate
     from pagewise.platform.tenants.service import TenantService
 
-    _print_tenant(await TenantService(session).create(TenantCreate(name=args.name, **_quota_values(args))))
+    _print_tenant(await TenantService(session).create(TenantCreate(name=args.name, **_tenant_values(args))))
 
 
 async def _tenants_list(session: Any, args: argparse.Namespace) -> None:
@@ -232,7 +245,7 @@ async def _tenants_update(session: Any, args: argparse.Namespace) -> None:
 
     service = TenantService(session)
     tenant = await service.get_by_name(args.name)
-    changes = _quota_values(args) | ({"status": args.status} if args.status else {})
+    changes = _tenant_values(args) | ({"status": args.status} if args.status else {})
     _print_tenant(await service.update(tenant.id, TenantUpdate(**changes)))
 
 

@@ -70,8 +70,10 @@ class EngineClient(Protocol):
         request_id: str,
         tenant_id: str,
         usage: concurrent.futures.Future | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[GenerationDelta]:
         """Deltas for one request. Leaving the iterator early aborts the request and frees its blocks.
+        `tenant_weight` is the tenant's share of the engine under the fair scheduling policy.
 
         Once iteration has begun, `usage` is resolved exactly once with what the engine computed for the request
         (`prompt_tokens`, `cached_tokens`, `completion_tokens`) when it leaves the engine for any reason.
@@ -117,9 +119,15 @@ class InProcessEngineClient:
         request_id: str,
         tenant_id: str,
         usage: concurrent.futures.Future | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[GenerationDelta]:
         stream = self._engine.generate(
-            prompt_token_ids, params, request_id=request_id, tenant_id=tenant_id, usage=usage
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            tenant_id=tenant_id,
+            usage=usage,
+            tenant_weight=tenant_weight,
         )
         try:
             async for output in stream:

@@ -37,6 +37,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_utilization: float | None = None
     swap_space_bytes: int | None = None
     preemption_mode: str | None = None
+    scheduling_policy: str | None = "fair"  # the server shares the engine fairly between tenants by default
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     dtype: str | None = None

@@ -45,6 +45,23 @@ class EngineStatsCollector(Collector):
         for key, help_text in _ENGINE_COUNTERS.items():
             name = f"pagewise:{key.removesuffix('_total')}"
             yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+        yield from _tenant_gauges(stats.get("tenants", {}))
+
+
+_TENANT_GAUGES = {
+    "served": ("pagewise:tenant_served_tokens", "Fair-share counter: weighted tokens served to the tenant."),
+    "running": ("pagewise:tenant_requests_running", "The tenant's sequences in the running batch."),
+    "waiting": ("pagewise:tenant_requests_waiting", "The tenant's sequences waiting to be scheduled."),
+}
+
+
+def _tenant_gauges(tenants: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """Per-tenant scheduling state under the fair policy (active tenants only)."""
+    for key, (name, help_text) in _TENANT_GAUGES.items():
+        family = GaugeMetricFamily(name, help_text, labels=["tenant"])
+        for tenant, values in tenants.items():
+            family.add_metric([tenant], float(values[key]))
+        yield family
 
 
 class PlatformMetrics:

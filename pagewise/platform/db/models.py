@@ -6,7 +6,7 @@ import datetime as dt
 import enum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Date, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -38,7 +38,7 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A customer. Quota columns are `None` for "no limit"."""
+    """A customer. Quota columns are `None` for "no limit"; `weight` (never null, > 0) is its scheduling tier."""
 
     __tablename__ = "tenants"
 
@@ -51,6 +51,7 @@ class Tenant(Base):
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
     max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
     max_n: Mapped[int | None] = mapped_column(Integer)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

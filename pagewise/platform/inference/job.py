@@ -264,7 +264,10 @@ class InferenceJob:
         state = self._prompts[prompt_index]
         state.report = concurrent.futures.Future()
         prompt = self.prepared.prompts[prompt_index]
-        stream = engine.generate(prompt, self.prepared.params, f"{self.id}-{prompt_index}", tenant, state.report)
+        request_id = f"{self.id}-{prompt_index}"
+        stream = engine.generate(
+            prompt, self.prepared.params, request_id, tenant, state.report, tenant_weight=self.principal.weight
+        )
         async with aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta

@@ -34,7 +34,7 @@ UNGUARDED_PATHS = PUBLIC_PATHS + SELF_AUTHENTICATED_PATHS  # what the key middle
 
 
 class Principal(msgspec.Struct, frozen=True):
-    """Who is calling: the key, its scopes and a snapshot of its tenant's limits."""
+    """Who is calling: the key, its scopes and a snapshot of its tenant's limits and scheduling weight."""
 
     key_id: str
     tenant_id: str
@@ -43,6 +43,7 @@ class Principal(msgspec.Struct, frozen=True):
     limits: QuotaLimits
     max_tokens_per_request: int | None
     max_n: int | None
+    weight: float
 
 
 def tenant_limits(tenant: Tenant) -> QuotaLimits:
@@ -104,6 +105,7 @@ async def authenticate(session: AsyncSession, authorization: str | None) -> Prin
         limits=tenant_limits(tenant),
         max_tokens_per_request=tenant.max_tokens_per_request,
         max_n=tenant.max_n,
+        weight=tenant.weight,
     )
 
 

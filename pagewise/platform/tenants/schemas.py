@@ -1,7 +1,8 @@
-"""Tenant bodies. In updates an absent field is left alone and `null` means "no limit".
+"""Tenant bodies. In updates an absent field is left alone; a quota set to `null` means "no limit".
 
 The quota fields and their bounds are declared once, here: `QUOTA_BOUNDS` is read from `TenantCreate`'s
-annotations, and the service applies it to bodies built in code (the CLI) that no decoder checked.
+annotations, and the service applies it to bodies built in code (the CLI) that no decoder checked; it does the
+same with `MAX_WEIGHT`, the bound of `Weight`.
 Bodies reject unknown fields, so a misspelt quota (`rpm`) is a 400, never a silent no-op.
 """
 
@@ -22,10 +23,15 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 """A per-minute limit; 0 blocks the dimension."""
 PositiveCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 TokenBudget = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+MAX_WEIGHT = 100.0
+Weight = Annotated[float, msgspec.Meta(gt=0, le=MAX_WEIGHT)]
+"""A tenant's scheduling weight (its tier): while tenants are all backlogged, each gets engine time in
+proportion to its weight (2 gets twice the share of 1). Finite, above 0, at most `MAX_WEIGHT`; never null."""
 
 
 class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A new tenant; each quota is `null` for unlimited and defaults to a conservative value."""
+    """A new tenant; each quota is `null` for unlimited and defaults to a conservative value; weight 1 is
+    the base tier."""
 
     name: str
     requests_per_minute: Count | None = 600
@@ -34,6 +40,7 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_concurrent_requests: PositiveCount | None = 16
     max_tokens_per_request: PositiveCount | None = 4096
     max_n: PositiveCount | None = 8
+    weight: Weight = 1.0
 
 
 class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,6 +52,7 @@ class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_concurrent_requests: PositiveCount | None | UnsetType = UNSET
     max_tokens_per_request: PositiveCount | None | UnsetType = UNSET
     max_n: PositiveCount | None | UnsetType = UNSET
+    weight: Weight | UnsetType = UNSET
 
 
 class TenantOut(msgspec.Struct, kw_only=True):
@@ -57,6 +65,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     max_concurrent_requests: int | None
     max_tokens_per_request: int | None
     max_n: int | None
+    weight: float
     created_at: dt.datetime
     updated_at: dt.datetime
 

@@ -1,8 +1,8 @@
 """Tenant operations shared by the admin API and the CLI. Names are unique; a clash is a 409.
 
 Every check runs before anything is written, so a refused create or update changes nothing. The checks
-repeat what the HTTP decoder enforces (quota bounds from `QUOTA_BOUNDS`, the name rule) because the CLI
-builds bodies in code.
+repeat what the HTTP decoder enforces (quota bounds from `QUOTA_BOUNDS`, the weight's `MAX_WEIGHT`, the name
+rule) because the CLI builds bodies in code.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pagewise.platform.db.models import Tenant, as_utc
 from pagewise.platform.errors import APIError, invalid_request, not_found
 from pagewise.platform.tenants.last_admin import ensure_admin_remains
 from pagewise.platform.tenants.names import clean_name
-from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate, TenantOut, TenantUpdate
+from pagewise.platform.tenants.schemas import MAX_WEIGHT, QUOTA_BOUNDS, TenantCreate, TenantOut, TenantUpdate
 
 
 def tenant_out(tenant: Tenant) -> TenantOut:
@@ -39,7 +39,17 @@ def _checked(values: dict[str, object]) -> dict[str, object]:
                 f"{field} must be between {minimum:,} and {maximum:,} (or null for no limit); got {value:,}",
                 param=field,
             )
+    if "weight" in values:
+        _check_weight(values["weight"])
     return values
+
+
+def _check_weight(weight: object) -> None:
+    """A 400 naming `weight` unless it is a number in (0, `MAX_WEIGHT`]; NaN and infinity fail the comparison."""
+    if not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+        raise invalid_request(
+            f"weight must be a finite number above 0 and at most {MAX_WEIGHT:g}; got {weight!r}", param="weight"
+        )
 
 
 class TenantService:

@@ -89,7 +89,7 @@ class _FailingEngine:
         return getattr(self._inner, name)
 
     async def generate(
-        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future
+        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future, **_: Any
     ) -> AsyncIterator[GenerationDelta]:
         if self._after_first:  # the real engine reports the usage of the request it aborts
             async with aclosing(self._inner.generate(prompt, params, request_id, tenant_id, usage)) as deltas:
@@ -129,7 +129,7 @@ class _RejectingEngine(_FailingEngine):
     """Validation that passes at admission but fails in the engine (e.g. the engine changed in between)."""
 
     async def generate(
-        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future
+        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future, **_: Any
     ) -> AsyncIterator[GenerationDelta]:
         from pagewise.engine.errors import InvalidRequestError
 
@@ -162,6 +162,7 @@ async def test_async_request_cancelled_before_it_ran(platform: Platform) -> None
         limits=QuotaLimits(max_concurrent_requests=1),
         max_tokens_per_request=None,
         max_n=None,
+        weight=1.0,
     )
     prepared = await prepare_completion(
         CompletionRequest(model=MODEL, prompt="Hello", max_tokens=4), principal, platform.services.engine

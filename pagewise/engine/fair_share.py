@@ -1,0 +1,97 @@
+"""Tenant fair share: a virtual token counter per tenant (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024), which the ``fair`` scheduling policy reads to decide who goes next.
+
+Invariants:
+- ``served[t]`` grows by the cost of the work the engine schedules for tenant ``t``, divided by its weight: each
+  prompt position computed costs ``PROMPT_COST``, each position served from the prefix cache ``CACHED_COST`` (a hit
+  skips the projections and the MLP; it still holds KV blocks and is read by attention), each decode step (one new
+  token) ``OUTPUT_COST``. A position is charged once: a recompute after preemption is the engine's choice, not the
+  tenant's, so ``Request.num_charged_tokens`` (a high-water mark) keeps it from being charged again.
+- A tenant becoming active (its first unfinished request) is lifted to the least counter among the other active
+  tenants, so idle time is never banked into a burst that would starve the others; a tenant alone takes the whole
+  engine (the policy is work-conserving: counters only order the work, they never idle the engine).
+- Over any interval in which two tenants stay backlogged, their counters differ by at most the cost one step can
+  charge one tenant plus the cost of the largest single admission (a request is admitted whole or chunked, never
+  split between tenants), which ``test_fair_share`` checks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pagewise.engine.request import Request
+
+PROMPT_COST = 1.0
+CACHED_COST = 0.1
+OUTPUT_COST = 2.0  # the paper's default weight of an output token relative to an input token
+_NO_TENANT = ""
+
+
+def tenant_of(request: Request) -> str:
+    return request.tenant_id or _NO_TENANT
+
+
+@dataclass(slots=True)
+class FairShare:
+    """Per-tenant counters and weights, and the number of unfinished requests each tenant has."""
+
+    served: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    active: Counter[str] = field(default_factory=Counter)
+
+    def key(self, request: Request) -> tuple[float, int, int]:
+        """Scheduling order: the least-served tenant first, then arrival order within and across tenants."""
+        return self.served.get(tenant_of(request), 0.0), request.arrival_seq, request.sample_index
+
+    def arrive(self, request: Request, num_requests: int, weight: float) -> None:
+        """``num_requests`` sequences of ``request``'s tenant entered the engine (a group of ``n`` samples)."""
+        tenant = tenant_of(request)
+        self.weights[tenant] = weight
+        if not self.active[tenant]:
+            others = [self.served.get(t, 0.0) for t, count in self.active.items() if count and t != tenant]
+            if others:
+                self.served[tenant] = max(self.served.get(tenant, 0.0), min(others))
+        self.active[tenant] += num_requests
+
+    def leave(self, request: Request) -> None:
+        tenant = tenant_of(request)
+        self.active[tenant] -= 1
+        if self.active[tenant] <= 0:
+            del self.active[tenant]
+
+    def charge_cached(self, request: Request, num_cached: int) -> None:
+        """A prefix hit of ``num_cached`` positions at admission (charged once per request)."""
+        new = num_cached - request.num_charged_tokens
+        if new > 0:
+            request.num_charged_tokens = num_cached
+            self._add(request, new * CACHED_COST)
+
+    def charge(self, request: Request, num_new: int) -> None:
+        """``num_new`` positions from ``request.num_computed_tokens`` on are scheduled this step."""
+        start = max(request.num_computed_tokens, request.num_charged_tokens)
+        end = request.num_computed_tokens + num_new
+        if end <= start:
+            return
+        request.num_charged_tokens = end
+        prompt = max(0, min(end, request.num_prompt_tokens) - start)
+        sampled = end == request.num_tokens  # the step that computes the last known position samples a token
+        self._add(request, prompt * PROMPT_COST + (OUTPUT_COST if sampled else 0.0))
+
+    def _add(self, request: Request, cost: float) -> None:
+        tenant = tenant_of(request)
+        self.served[tenant] = self.served.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
+
+    def snapshot(self, waiting: list[Request], running: list[Request]) -> dict[str, dict[str, float | int]]:
+        """Per active tenant: its counter, weight, and running / waiting sequences (for stats and metrics)."""
+        num_running = Counter(tenant_of(r) for r in running)
+        num_waiting = Counter(tenant_of(r) for r in waiting)
+        return {
+            t: {
+                "served": self.served.get(t, 0.0),
+                "weight": self.weights.get(t, 1.0),
+                "running": num_running[t],
+                "waiting": num_waiting[t],
+            }
+            for t in sorted(set(self.active) | set(num_running) | set(num_waiting))
+        }
