@@ -18,9 +18,9 @@ A quiet request's TTFT is the time from its ``generate`` call to its first delta
 sent inside the window counts, and the flood goes on until the last of them has its first token. Output tokens/s
 counts both tenants' tokens delivered inside the window. The figures: ``ttft_p99_ratio_fcfs`` and
 ``ttft_p99_ratio_fair`` = the flooded phase's quiet p99 / the solo p99 (fair target <= 1.5), ``throughput_ratio``
-= fair / FCFS output tokens/s under the flood (target >= 0.95), each phase's raw figures and each engine's final
-per-tenant ``served`` counters (the latest ``stats()["tenants"]`` seen during the flood). ``--quick`` shrinks every default so a test runs it in seconds;
-flags given explicitly win over both.
+= fair / FCFS output tokens/s under the flood (target >= 0.95), each phase's raw figures, and each engine's
+per-tenant ``served`` counters (the latest ``stats()["tenants"]`` entries seen during the flood). ``--quick``
+shrinks every default so a test runs it in seconds; a flag given explicitly wins over both.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _DEFAULTS: dict[str, tuple[Any, Any]] = {
     "quiet_max_tokens": (4, 2),
     "quiet_interval": (1.0, 0.5),
     "duration": (30.0, 3.0),
-    "warmup": (3.0, 1.0),
+    "warmup": (3.0, 2.0),
 }
 
 
@@ -276,8 +276,10 @@ def _usage_error(workload: Workload, max_model_len: int) -> str | None:
             return f"{flag} must be a positive number of seconds, got {seconds:g}"
     if not (math.isfinite(workload.warmup_s) and workload.warmup_s >= 0):
         return f"--warmup must be a number of seconds >= 0, got {workload.warmup_s:g}"
-    for what, total in (("flood", high + workload.flood_max_tokens),
-                        ("quiet", workload.quiet_prompt_tokens + workload.quiet_max_tokens)):
+    for what, total in (
+        ("flood", high + workload.flood_max_tokens),
+        ("quiet", workload.quiet_prompt_tokens + workload.quiet_max_tokens),
+    ):
         if total > max_model_len:
             return f"a {what} request needs {total:,} tokens; --max-model-len is {max_model_len:,}"
     return None
@@ -359,8 +361,10 @@ def _print_table(result: dict[str, Any]) -> None:
         rows.append((f"{name}: output tok/s (flood + quiet)", phase["output_tokens_per_s"]))
     rows += [
         ("ttft_p99_ratio_fcfs (flooded FCFS / solo)", result["ttft_p99_ratio_fcfs"]),
-        (f"ttft_p99_ratio_fair (flooded fair / solo, <= {TARGET_TTFT_P99_RATIO_FAIR_MAX})",
-         result["ttft_p99_ratio_fair"]),
+        (
+            f"ttft_p99_ratio_fair (flooded fair / solo, <= {TARGET_TTFT_P99_RATIO_FAIR_MAX})",
+            result["ttft_p99_ratio_fair"],
+        ),
         (f"throughput_ratio (fair / FCFS, >= {TARGET_THROUGHPUT_RATIO_MIN})", result["throughput_ratio"]),
         ("solo p99 FCFS / fair (~1.0)", result["solo_ttft_p99_ratio_fcfs_to_fair"]),
     ]
@@ -391,8 +395,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(flag, help=f"{help_text} (default {shown}; --quick {shown_quick})", **kwargs)
 
     knob("--flood-streams", "closed-loop streams of the flood tenant", type=int)
-    knob("--flood-prompt-tokens", "flood prompt length, uniform in [MIN, MAX]", type=int, nargs=2,
-         metavar=("MIN", "MAX"))
+    knob(
+        "--flood-prompt-tokens", "flood prompt length, uniform in [MIN, MAX]", type=int, nargs=2, metavar=("MIN", "MAX")
+    )
     knob("--flood-max-tokens", "output tokens per flood request", type=int)
     knob("--quiet-prompt-tokens", "quiet prompt length", type=int)
     knob("--quiet-max-tokens", "output tokens per quiet request", type=int)

@@ -7,12 +7,12 @@ Invariants:
   skips the projections and the MLP; it still holds KV blocks and is read by attention), each decode step (one new
   token) ``OUTPUT_COST``. A position is charged once: a recompute after preemption is the engine's choice, not the
   tenant's, so ``Request.num_charged_tokens`` (a high-water mark) keeps it from being charged again.
-- A tenant becoming active (its first unfinished request) is lifted to the least counter among the other active
-  tenants, so idle time is never banked into a burst that would starve the others; a tenant alone takes the whole
-  engine (the policy is work-conserving: counters only order the work, they never idle the engine).
-- Over any interval in which two tenants stay backlogged, their counters differ by at most the cost one step can
-  charge one tenant plus the cost of the largest single admission (a request is admitted whole or chunked, never
-  split between tenants), which ``test_fair_share`` checks.
+- A tenant becoming backlogged (a request arrives while none of its requests waits) is lifted to the least counter
+  among the tenants that are backlogged (or, if none is, running), so time spent idle or asking for less than its
+  share is never banked into a burst that would starve the others; a tenant alone takes the whole engine (the
+  policy is work-conserving: counters only order the work, they never idle the engine).
+- Over any interval in which two tenants stay backlogged, their counters differ by at most what the requests one
+  of them already runs can still cost, plus one step's charge (``test_fair_share`` states and checks the bound).
 """
 
 from __future__ import annotations
@@ -34,31 +34,26 @@ def tenant_of(request: Request) -> str:
 
 @dataclass(slots=True)
 class FairShare:
-    """Per-tenant counters and weights, and the number of unfinished requests each tenant has."""
+    """Per-tenant counters and weights."""
 
     served: dict[str, float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
-    active: Counter[str] = field(default_factory=Counter)
 
     def key(self, request: Request) -> tuple[float, int, int]:
         """Scheduling order: the least-served tenant first, then arrival order within and across tenants."""
         return self.served.get(tenant_of(request), 0.0), request.arrival_seq, request.sample_index
 
-    def arrive(self, request: Request, num_requests: int, weight: float) -> None:
-        """``num_requests`` sequences of ``request``'s tenant entered the engine (a group of ``n`` samples)."""
+    def arrive(self, request: Request, weight: float, waiting: list[Request], running: list[Request]) -> None:
+        """``request`` is about to join ``waiting``; lift its tenant's counter if that tenant had none waiting."""
         tenant = tenant_of(request)
         self.weights[tenant] = weight
-        if not self.active[tenant]:
-            others = [self.served.get(t, 0.0) for t, count in self.active.items() if count and t != tenant]
-            if others:
-                self.served[tenant] = max(self.served.get(tenant, 0.0), min(others))
-        self.active[tenant] += num_requests
-
-    def leave(self, request: Request) -> None:
-        tenant = tenant_of(request)
-        self.active[tenant] -= 1
-        if self.active[tenant] <= 0:
-            del self.active[tenant]
+        backlogged = {tenant_of(r) for r in waiting}
+        if tenant in backlogged:
+            return
+        others = (backlogged or {tenant_of(r) for r in running}) - {tenant}
+        if others:
+            lifted = min(self.served.get(t, 0.0) for t in others)
+            self.served[tenant] = max(self.served.get(tenant, 0.0), lifted)
 
     def charge_cached(self, request: Request, num_cached: int) -> None:
         """A prefix hit of ``num_cached`` positions at admission (charged once per request)."""
@@ -93,5 +88,5 @@ class FairShare:
                 "running": num_running[t],
                 "waiting": num_waiting[t],
             }
-            for t in sorted(set(self.active) | set(num_running) | set(num_waiting))
+            for t in sorted(set(num_running) | set(num_waiting))
         }

@@ -87,11 +87,11 @@ class Scheduler:
     ) -> None:
         """Queue a request; ``followers`` (samples 1..n-1) fork from it when its prefill completes.
         ``tenant_weight`` is the share its tenant gets under the ``fair`` policy (the latest request's wins)."""
+        if self.fair is not None:
+            self.fair.arrive(leader, tenant_weight, list(self.waiting), self.running)
         self.waiting.append(leader)
         if followers:
             self.pending_forks[leader] = followers
-        if self.fair is not None:
-            self.fair.arrive(leader, 1 + len(followers or ()), tenant_weight)
 
     @property
     def num_unfinished(self) -> int:
@@ -267,6 +267,4 @@ class Scheduler:
                 del self.pending_forks[leader]
         self.kv.free(request)
         self.kv.release_swap(request)
-        if self.fair is not None and request.status is not RequestStatus.FINISHED:
-            self.fair.leave(request)
         request.status = RequestStatus.FINISHED

@@ -98,3 +98,29 @@ def test_greedy_matches_hf_under_preemption(oracle, variant: str) -> None:
     assert greedy(llm, prompts()) == expected
     assert llm.stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa"])
+def test_greedy_matches_hf_under_fair_scheduling(oracle, variant: str) -> None:
+    """Three tenants with different weights, under memory pressure: the fair policy reorders and preempts by
+    tenant, and every output still equals HF's."""
+    path, model, expected = oracle(variant)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, head_dim, torch.float32
+    )
+    llm = LLM(
+        str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, scheduling_policy="fair",
+        max_num_batched_tokens=16, progress=False,
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(f"r{i}", prompt, params, tenant_id=f"t{i % 3}", tenant_weight=1.0 + i % 3)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [outputs[f"r{i}"] for i in range(len(expected))] == expected
+    assert llm.stats()["num_preemptions"] > 0
+    assert_all_blocks_free(llm)

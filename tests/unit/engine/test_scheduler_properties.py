@@ -53,12 +53,13 @@ def check_writes_exclusive(pool: BlockPool, step) -> None:
     mode=st.sampled_from(["recompute", "swap"]),
     caching=st.booleans(),
     max_num_seqs=st.integers(2, 8),
+    policy=st.sampled_from(["fcfs", "fair"]),
 )
-def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_seqs) -> None:
+def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_seqs, policy) -> None:
     rng = random.Random(seed)
     pool = BlockPool(num_blocks, caching)
     kv = KVCacheManager(pool, BS, num_swap_slots=rng.choice([0, 4, 64]))
-    scheduler = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=True, preemption_mode=mode)
+    scheduler = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=True, preemption_mode=mode, policy=policy)
     shared_prefix = [rng.randrange(50) for _ in range(9)]
     live: list[Request] = []
     arrivals = 0
@@ -82,7 +83,7 @@ def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_s
             ]
             capacity = num_blocks * BS
             if len(prompt) + max_tokens <= capacity:
-                scheduler.add_request(group[0], group[1:])
+                scheduler.add_request(group[0], group[1:], tenant_weight=rng.choice([1.0, 2.0]))
                 live.extend(group)
             arrivals += 1
         if live and rng.random() < 0.05:

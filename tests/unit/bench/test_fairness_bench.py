@@ -1,0 +1,48 @@
+"""`pagewise bench fairness --quick --json` end to end on the real default model: one JSON object on stdout with
+every phase's figures present and sane. The targets (fair p99 TTFT ratio <= 1.5, throughput ratio >= 0.95) are
+the bench's to report, not this test's: timings on a shared machine are too noisy to assert."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+PHASES = {"solo": "fair", "flooded_fair": "fair", "solo_fcfs": "fcfs", "flooded_fcfs": "fcfs"}
+RATIOS = ("ttft_p99_ratio_fcfs", "ttft_p99_ratio_fair", "throughput_ratio", "solo_ttft_p99_ratio_fcfs_to_fair")
+
+
+def test_bench_fairness_quick_json() -> None:
+    command = [sys.executable, "-m", "pagewise.cli", "bench", "fairness", "--quick", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.strip().splitlines()  # stdout is the JSON object alone; progress went to stderr
+    result = json.loads(line)
+    assert "flooded_fcfs: " in done.stderr
+
+    assert set(result["phases"]) == set(PHASES)
+    for name, phase in result["phases"].items():
+        assert (phase["policy"], phase["flooded"]) == (PHASES[name], name.startswith("flooded"))
+        assert phase["quiet_requests"] > 0
+        ttft = [phase[f"quiet_ttft_p{q}_ms"] for q in (50, 90, 99)]
+        assert 0 < ttft[0] <= ttft[1] <= ttft[2] <= phase["quiet_ttft_max_ms"], (name, ttft)
+        if phase["flooded"]:
+            assert phase["flood_output_tokens_per_s"] > 0
+        else:  # a flooded quiet request may get its tokens only after the window; a solo one does not
+            assert phase["quiet_output_tokens_per_s"] > 0
+            assert phase["flood_output_tokens_per_s"] == phase["flood_requests_finished"] == 0
+        assert math.isclose(
+            phase["output_tokens_per_s"], phase["flood_output_tokens_per_s"] + phase["quiet_output_tokens_per_s"]
+        )
+    for key in RATIOS:
+        assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+    assert result["ttft_p99_ratio_fair"] == (
+        result["phases"]["flooded_fair"]["quiet_ttft_p99_ms"] / result["phases"]["solo"]["quiet_ttft_p99_ms"]
+    )
+    # the fair engine keeps a virtual token counter per tenant; FCFS keeps none
+    assert set(result["served"]["fair"]) == {"flood", "quiet"}
+    assert all(served > 0 for served in result["served"]["fair"].values())
+    assert result["served"]["fcfs"] == {}
+    assert isinstance(result["meets_targets"], bool)
