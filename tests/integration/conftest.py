@@ -136,7 +136,8 @@ def llm_engine() -> Iterator[InProcessEngineClient]:
     from pagewise.engine.async_engine import AsyncLLMEngine
     from pagewise.engine.config import EngineConfig
 
-    engine = AsyncLLMEngine(EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN), progress=False)
+    config = EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, scheduling_policy="fair")  # as served
+    engine = AsyncLLMEngine(config, progress=False)
     client = InProcessEngineClient(engine, owns_engine=False)
     yield client
     engine.shutdown()
