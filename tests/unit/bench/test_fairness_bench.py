@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 
 PHASES = {"solo": "fair", "flooded_fair": "fair", "solo_fcfs": "fcfs", "flooded_fcfs": "fcfs"}
-RATIOS = ("ttft_p99_ratio_fcfs", "ttft_p99_ratio_fair", "throughput_ratio", "solo_ttft_p99_ratio_fcfs_to_fair")
+RATIOS = (
+    "ttft_p99_ratio_fcfs",
+    "ttft_p99_ratio_fair",
+    "throughput_ratio",
+    "processed_throughput_ratio",
+    "solo_ttft_p99_ratio_fcfs_to_fair",
+)
 
 
 def test_bench_fairness_quick_json() -> None:
@@ -33,6 +39,7 @@ def test_bench_fairness_quick_json() -> None:
         else:  # a flooded quiet request may get its tokens only after the window; a solo one does not
             assert phase["quiet_output_tokens_per_s"] > 0
             assert phase["flood_output_tokens_per_s"] == phase["flood_requests_finished"] == 0
+        assert phase["processed_tokens_per_s"] > 0, name
         assert math.isclose(
             phase["output_tokens_per_s"], phase["flood_output_tokens_per_s"] + phase["quiet_output_tokens_per_s"]
         )
