@@ -10,7 +10,7 @@ from pagewise.platform.settings import DEFAULT_DATABASE_URL, Settings, SettingsE
 def test_defaults_are_embedded_mode() -> None:
     settings = Settings.from_env({})
     assert settings.database_url == DEFAULT_DATABASE_URL and settings.is_embedded
-    assert settings.engine.engine_kwargs() == {"model": "smollm2-135m-instruct"}
+    assert settings.engine.engine_kwargs() == {"model": "smollm2-135m-instruct", "scheduling_policy": "fair"}
 
 
 def test_environment_and_overrides() -> None:
@@ -26,6 +26,7 @@ def test_environment_and_overrides() -> None:
         "model": "tiny",
         "max_model_len": 512,
         "enable_prefix_caching": False,
+        "scheduling_policy": "fair",
     }
 
 

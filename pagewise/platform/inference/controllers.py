@@ -42,7 +42,7 @@ class InferenceController(Controller):
     ) -> Response[ChatCompletion]:
         """OpenAI Chat Completions; `stream: true` answers with server-sent events ending in `[DONE]`."""
         body = parse_body(data, ChatCompletionRequest)
-        await InferenceJob.precheck(services, request.user, body.n)
+        await InferenceJob.precheck(services, request.user)
         job = await InferenceJob.admit(
             services, request.user, await prepare_chat(body, request.user, services.engine)
         )
@@ -59,7 +59,7 @@ class InferenceController(Controller):
     ) -> Response[Completion]:
         """OpenAI (legacy) Completions; `prompt` may be a string, strings, token ids or lists of token ids."""
         body = parse_body(data, CompletionRequest)
-        await InferenceJob.precheck(services, request.user, body.n)
+        await InferenceJob.precheck(services, request.user)
         job = await InferenceJob.admit(
             services, request.user, await prepare_completion(body, request.user, services.engine)
         )

@@ -113,20 +113,19 @@ class InferenceJob:
         self._billed: Billed | None = None
 
     @staticmethod
-    async def precheck(services: PlatformServices, principal: Principal, slots: int = 1) -> None:
+    async def precheck(services: PlatformServices, principal: Principal) -> None:
         """Before the costly part of preparing a request (tokenizing it): a 429 when the tenant is already at its
-        concurrency or request-rate limit, so a flood of large prompts costs the server a counter read each.
-        Admission checks everything again, atomically; this only refuses early."""
+        concurrency or request-rate limit (no slot free, no request left this minute), so a flood of large
+        prompts costs the server a counter read each. Admission checks everything again, atomically, and tells
+        a request that could never fit (a 400) from one that must wait; this only refuses early."""
         limits = principal.limits
         if limits.max_concurrent_requests is None and limits.requests_per_minute is None:
             return
         usage = await services.quotas.usage(principal.tenant_id)
-        rejected = first_rejection(
-            limits, 0, slots, usage.concurrent, usage.requests_this_minute, 0, 0
-        )
+        rejected = first_rejection(limits, 0, 1, usage.concurrent, usage.requests_this_minute, 0, 0)
         if rejected is not None:
             services.metrics.quota_rejections.labels(principal.tenant_id, rejected).inc()
-            raise quota_exceeded(Decision(None, rejected, usage, limits), 0, slots)
+            raise quota_exceeded(Decision(None, rejected, usage, limits), 0)
 
     @classmethod
     async def admit(

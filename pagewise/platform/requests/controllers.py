@@ -44,7 +44,7 @@ class RequestController(Controller):
     ) -> RequestOut:
         """Same body as chat or completions plus `endpoint`; returns the queued request at once."""
         body = parse_body(data, AsyncRequest)
-        await InferenceJob.precheck(services, request.user, body.n)
+        await InferenceJob.precheck(services, request.user)
         if isinstance(body, AsyncChatRequest):
             prepared = await prepare_chat(body, request.user, services.engine)
         else:
