@@ -12,9 +12,11 @@ import asyncpg
 import httpx
 import pytest
 import redis.asyncio as redis
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.app import create_app
 from pagewise.platform.db.migrate import upgrade_head
+from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 from pagewise.platform.engine_client import InProcessEngineClient
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.keys.schemas import KeyCreate
@@ -141,6 +143,30 @@ def llm_engine() -> Iterator[InProcessEngineClient]:
     client = InProcessEngineClient(engine, owns_engine=False)
     yield client
     engine.shutdown()
+
+
+@pytest.fixture
+def cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run one `pagewise` admin command on the test's database; (exit code, stdout lines, stderr lines)."""
+    from pagewise.platform.cli import main
+
+    monkeypatch.setenv("PAGEWISE_DATABASE_URL", database_url)
+
+    def run(*argv: str) -> tuple[int, list[str], list[str]]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out.splitlines(), err.splitlines()
+
+    return run
+
+
+@pytest.fixture
+async def session(database_url: str) -> AsyncIterator[AsyncSession]:
+    """A session on the test's database, outside any app."""
+    engine = create_db_engine(database_url)
+    async with create_sessionmaker(engine)() as session:
+        yield session
+    await engine.dispose()
 
 
 @pytest.fixture

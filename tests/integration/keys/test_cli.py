@@ -7,21 +7,6 @@ import secrets
 
 import pytest
 
-from pagewise.platform.cli import main
-
-
-@pytest.fixture
-def cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run one command; (exit code, stdout lines, stderr lines)."""
-    monkeypatch.setenv("PAGEWISE_DATABASE_URL", database_url)
-
-    def run(*argv: str) -> tuple[int, list[str], list[str]]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out.splitlines(), err.splitlines()
-
-    return run
-
 
 def _listing(cli, tenant: str) -> dict[str, str]:
     code, lines, _ = cli("keys", "list", "--tenant", tenant)

@@ -4,12 +4,10 @@ or update changes nothing."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 from pagewise.platform.errors import APIError
 from pagewise.platform.tenants.schemas import INT32_MAX, INT64_MAX, TenantCreate, TenantUpdate
 from pagewise.platform.tenants.service import TenantService
@@ -26,14 +24,6 @@ BAD_NAMES = [
     ("two\nlines", "control character; found U+000A at position 3"),
     ("bell\x07", "control character; found U+0007"),
 ]
-
-
-@pytest.fixture
-async def session(database_url: str) -> AsyncIterator[AsyncSession]:
-    engine = create_db_engine(database_url)
-    async with create_sessionmaker(engine)() as session:
-        yield session
-    await engine.dispose()
 
 
 async def test_unknown_fields_are_400_naming_them(platform: Platform) -> None:

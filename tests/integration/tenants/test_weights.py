@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.cli import main
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import authenticate
 from pagewise.platform.keys.schemas import KeyCreate
@@ -23,27 +20,6 @@ from ..harness import Platform, bearer
 
 BAD_JSON_WEIGHTS = ["0", "-1", "101", "-0.0", "null", '"2"', "true"]
 BAD_WEIGHTS = [0.0, -1.0, 101.0, math.inf, math.nan, None]
-
-
-@pytest.fixture
-async def session(database_url: str) -> AsyncIterator[AsyncSession]:
-    engine = create_db_engine(database_url)
-    async with create_sessionmaker(engine)() as session:
-        yield session
-    await engine.dispose()
-
-
-@pytest.fixture
-def cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run one command; (exit code, stdout lines, stderr lines)."""
-    monkeypatch.setenv("PAGEWISE_DATABASE_URL", database_url)
-
-    def run(*argv: str) -> tuple[int, list[str], list[str]]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out.splitlines(), err.splitlines()
-
-    return run
 
 
 @pytest.mark.anyio
