@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagewise.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only the in-process client holds an engine; importing this module loads no torch
+    from pagewise.engine.async_engine import AsyncLLMEngine
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

@@ -29,8 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from pagewise.engine.async_engine import EngineDeadError
-from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.engine_client import ChoiceDelta, GenerationDelta, PositionLogprobs

@@ -1,0 +1,23 @@
+"""An API process loads no model code: importing the platform (or `pagewise` itself) must not import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["pagewise", "pagewise.platform", "pagewise.platform.app"])
+def test_importing_does_not_load_torch(module: str) -> None:
+    probe = f"import sys, {module}; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_engine_names_still_come_from_pagewise() -> None:
+    import pagewise
+
+    assert pagewise.LLM.__name__ == "LLM" and pagewise.SamplingParams.__name__ == "SamplingParams"
+    with pytest.raises(AttributeError):
+        _ = pagewise.NoSuchName
