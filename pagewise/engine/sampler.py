@@ -3,8 +3,10 @@ top-p, seeded draws, logprobs.
 
 Rows are independent: a row's token depends only on its own logits, parameters, output history and generator,
 so a seeded request samples the same tokens whatever else shares the batch. The adjustments run batched, but
-element by element, so a row comes out bit-identical alone or in a batch. A row whose work raises fails alone:
-its result is the exception, and the other rows are sampled as if it were not there.
+element by element, so a row comes out bit-identical alone or in a batch. Sampling is batched the same way
+(temperature, min-p, one ``topk`` for the rows with a top-k, one sort for those with only a top-p); only the draw
+runs per row, with the row's generator over its own candidates. A row whose work raises fails alone: its result
+is the exception, and the other rows are sampled as if it were not there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from pagewise.engine.outputs import Logprob
 from pagewise.engine.request import Request
+from pagewise.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -47,17 +50,42 @@ class Sampler:
                 except Exception as error:  # noqa: BLE001 - this row fails alone
                     results[row] = error
         greedy = logits.argmax(dim=-1).tolist()
+        sampled = [row for row, r in enumerate(requests) if results[row] is None and not r.params.greedy]
+        drawn = dict(zip(sampled, self._sample(logits, requests, sampled), strict=True))
         for row, request in enumerate(requests):
             if results[row] is not None:
                 continue
+            token = drawn.get(row, greedy[row])
+            if isinstance(token, Exception):
+                results[row] = token
+                continue
             try:
-                token = greedy[row] if request.params.greedy else self._draw(logits[row], request)
                 k = request.params.logprobs
                 lp = self._logprobs(raw_logprobs[row], token, k) if k is not None else None
                 results[row] = SampleResult(token, lp)
             except Exception as error:  # noqa: BLE001 - this row fails alone
                 results[row] = error
         return results
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request], rows: list[int]) -> list[int | Exception]:
+        """A token (or the row's error) for each of ``rows``. The candidates are found for all rows at once;
+        if that raises, row by row, so a row with bad parameters fails alone. No generator is used before the
+        per-row draws, so a fallback redraws nothing."""
+        if not rows:
+            return []
+        try:
+            candidates = _candidates(logits[rows], [requests[i].params for i in rows])
+        except Exception as error:  # noqa: BLE001 - find the row(s) at fault, one by one
+            if len(rows) == 1:
+                return [error]
+            return [self._sample(logits, requests, [i])[0] for i in rows]
+        tokens: list[int | Exception] = []
+        for row, i in zip(candidates, rows, strict=True):
+            try:
+                tokens.append(self._draw(row, requests[i]))
+            except Exception as error:  # noqa: BLE001 - this row fails alone
+                tokens.append(error)
+        return tokens
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """vLLM's order: logit bias and the min-tokens mask, then repetition, frequency and presence penalties.
@@ -126,25 +154,13 @@ class Sampler:
         presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
         logits[rows] = sub - frequency * counts - presence * seen
 
-    def _draw(self, logits: torch.Tensor, request: Request) -> int:
-        params = request.params
-        # nan_to_num: extreme (valid) penalties can overflow fp32 to inf, which softmax would turn into NaN.
-        probs = torch.softmax(torch.nan_to_num(logits / params.temperature), dim=-1)
-        if params.min_p > 0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        if params.top_k > 0 or params.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-            if params.top_k > 0:
-                keep[params.top_k :] = False
-            if params.top_p < 1:
-                before = sorted_probs.cumsum(0) - sorted_probs
-                keep &= before < params.top_p * sorted_probs.sum()
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
+    def _draw(self, candidates: Candidates, request: Request) -> int:
+        """The exponential race ``argmax(probs / Exp(1))`` over one row's candidates, with the row's own generator
+        (the sampler's when unseeded): noise of the row's own length, so the draw ignores the rest of the batch."""
         generator = request.generator or self.generator
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+        noise = torch.empty_like(candidates.probs).exponential_(generator=generator)
+        winner = int((candidates.probs / noise).argmax())
+        return winner if candidates.token_ids is None else int(candidates.token_ids[winner])
 
     def _logprobs(self, logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
         chosen = float(logprobs[token])
@@ -162,3 +178,75 @@ def _has_penalty(request: Request) -> bool:
     if params.repetition_penalty != 1.0:
         return True
     return bool(params.presence_penalty or params.frequency_penalty) and request.num_output_tokens > 0
+
+
+@dataclass(slots=True)
+class Candidates:
+    """One row's candidate tokens after temperature, min-p, top-k and top-p: ``probs`` (cut ones are 0) over the
+    whole vocabulary when ``token_ids`` is None, else over ``token_ids``, sorted by probability, highest first."""
+
+    probs: torch.Tensor
+    token_ids: torch.Tensor | None
+
+
+def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[Candidates]:
+    """Temperature and min-p over all rows at once; then one ``topk`` with the largest k over the rows with a
+    top-k, one sort over the rows with only a top-p. Each row's result is the same alone or in any batch: every
+    step is element by element or within the row, and candidate lists are cut at the row's own k."""
+    dev = logits.device
+    # A reciprocal multiplied in, not a division: torch divides by a one-element tensor differently.
+    inverse = torch.tensor([1.0 / p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    # nan_to_num: extreme (valid) penalties can overflow fp32 to inf, which softmax would turn into NaN.
+    probs = torch.softmax(torch.nan_to_num(logits * inverse), dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    vocab = probs.shape[-1]
+    result: list[Candidates | None] = [None] * len(params)
+    top_k = [i for i, p in enumerate(params) if p.top_k > 0]
+    top_p = [i for i, p in enumerate(params) if p.top_k <= 0 and p.top_p < 1]
+    for i, p in enumerate(params):
+        if p.top_k <= 0 and p.top_p >= 1:  # the whole vocabulary
+            result[i] = Candidates(probs[i], None)
+    if top_k:
+        lengths = [min(params[i].top_k, vocab) for i in top_k]
+        values, ids = _top(probs[top_k], lengths)
+        _cut_top_p(values, [params[i].top_p for i in top_k])
+        for row, (i, n) in enumerate(zip(top_k, lengths, strict=True)):
+            result[i] = Candidates(values[row, :n], ids[row, :n])
+    if top_p:
+        values, ids = probs[top_p].sort(dim=-1, descending=True, stable=True)
+        _cut_top_p(values, [params[i].top_p for i in top_p])
+        for row, i in enumerate(top_p):
+            result[i] = Candidates(values[row], ids[row])
+    return result
+
+
+def _top(probs: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The highest ``lengths[row]`` probabilities of each row and their ids, highest first; 0 past a row's length.
+    ``topk`` orders ties arbitrarily (and by its k), so a row with a tie among its positive values, the first
+    one past its length included, is sorted on its own, stably (ties by id): its candidates then depend on
+    nothing else in the batch."""
+    dev, vocab = probs.device, probs.shape[-1]
+    width = min(max(lengths) + 1, vocab)  # one past the longest, to see a tie at a row's cut
+    values, ids = probs.topk(width, dim=-1)
+    position = torch.arange(width, device=dev)
+    length = torch.tensor(lengths, device=dev)[:, None]
+    tied = (values[:, 1:] == values[:, :-1]) & (values[:, 1:] > 0) & (position[1:] <= length)
+    for row in tied.any(dim=-1).nonzero().flatten().tolist():
+        values[row], ids[row] = (t[:width] for t in probs[row].sort(descending=True, stable=True))
+    return values.masked_fill(position >= length, 0.0), ids
+
+
+def _cut_top_p(values: torch.Tensor, top_p: list[float]) -> None:
+    """In place over ``values`` (each row sorted, highest first, 0 past its candidates): keeps the smallest
+    prefix whose mass reaches ``top_p`` of the row's mass (renormalized over the candidates) and the first."""
+    if all(p >= 1 for p in top_p):
+        return
+    cumulative = values.cumsum(dim=-1)
+    total = cumulative[:, -1:]  # trailing zeros add nothing: the same whatever the width
+    p = torch.tensor(top_p, dtype=values.dtype, device=values.device)[:, None]
+    threshold = torch.where(p < 1, p * total, torch.full_like(total, float("inf")))
+    keep = cumulative - values < threshold
+    keep[:, 0] = True
+    values.mul_(keep)

@@ -13,6 +13,8 @@ import torch
 
 from pagewise import LLM, SamplingParams
 from pagewise.engine.model_runner import KVCache
+from pagewise.engine.request import Request
+from pagewise.engine.sampler import Sampler
 
 BLOCK = 4
 NUM_BLOCKS = 256
@@ -424,3 +426,77 @@ def test_sampled_logprobs_carry_the_sampled_token_and_its_rank(llm, tiny, k) -> 
 def test_no_logprobs_unless_asked(llm) -> None:
     (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=2))
     assert out.outputs[0].logprobs is None
+
+
+# ---- the batched sampler, on its own
+
+
+def _sampler(seed: int = 0) -> Sampler:
+    return Sampler(torch.Generator().manual_seed(seed), str, [0])
+
+
+def _request(params: SamplingParams, seed: int | None = None) -> Request:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return Request("r", [1, 2, 3], params, 0, generator=generator)
+
+
+def _draws(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    return [r.token_id for r in sampler(logits, requests)]
+
+
+PROBS = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        # top-p over the renormalized top-5 (0.3, 0.25, 0.15, 0.12, 0.08) / 0.9: 0.75 is reached after three
+        (dict(top_k=5, top_p=0.75), [0.30, 0.25, 0.15, 0, 0, 0, 0, 0]),
+        (dict(top_k=2), [0.30, 0.25, 0, 0, 0, 0, 0, 0]),
+        (dict(top_p=0.6), [0.30, 0.25, 0.15, 0, 0, 0, 0, 0]),
+        (dict(min_p=0.2), [0.30, 0.25, 0.15, 0.12, 0.08, 0, 0, 0]),
+        (dict(temperature=0.5), (PROBS**2).tolist()),
+        (dict(temperature=0.5, top_k=7, top_p=0.9), (PROBS**2)[:4].tolist() + [0] * 4),
+    ],
+    ids=repr,
+)
+def test_batched_draws_follow_the_distribution(kwargs, expected) -> None:
+    n = 20000
+    params = SamplingParams(**{"temperature": 1.0, **kwargs})
+    counts = torch.bincount(torch.tensor(_draws(_sampler(), PROBS.log().expand(n, -1), [_request(params)] * n)),
+                            minlength=len(PROBS))
+    want = torch.tensor(expected) / sum(expected)
+    assert (counts / n - want).abs().max() < 0.02
+    assert (counts[want == 0] == 0).all()
+
+
+def test_a_seeded_row_draws_the_same_alone_or_batched_ties_included() -> None:
+    """Whatever top-k the other rows use (so whatever ``topk`` width the batch needs), a seeded row's draws are
+    the same; its logits tie at its top-k cut and within it."""
+    torch.manual_seed(0)
+    mine_logits = torch.randn(64) * 0.5
+    mine_logits[[5, 9, 17, 30]] = torch.tensor([4.0, 3.0, 3.0, 3.0])  # top-3 cuts inside a three-way tie
+    mine = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
+    others = [SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.3, top_p=0.5),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_k=3)]
+    logits = torch.cat([torch.randn(2, 64), mine_logits[None], torch.randn(2, 64)])
+    for seed in range(30):
+        (alone,) = _draws(_sampler(), mine_logits[None], [_request(mine, seed)])
+        batch = [_request(others[0]), _request(others[1], 5), _request(mine, seed), _request(others[2]),
+                 _request(others[3], 6)]
+        assert _draws(_sampler(seed), logits, batch)[2] == alone
+        assert alone in (5, 9, 17, 30)
+
+
+def test_a_row_failing_in_the_batched_draw_fails_alone() -> None:
+    """A row whose parameters break the batched candidate search (corrupted after validation) gets its error;
+    the others draw exactly what they draw without it."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 100)
+    good = [SamplingParams(temperature=1.0, top_k=10, top_p=0.8), SamplingParams(temperature=0.6, top_p=0.9)]
+    bad = SamplingParams(temperature=1.0, top_k=5)
+    bad.top_k = "five"
+    without = _draws(_sampler(), logits[[0, 2]], [_request(good[0], 1), _request(good[1], 2)])
+    results = _sampler()(logits, [_request(good[0], 1), _request(bad, 3), _request(good[1], 2)])
+    assert isinstance(results[1], TypeError)
+    assert [results[0].token_id, results[2].token_id] == without
