@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         num, prompt_range, output_range, batch_sizes = 64, (32, 512), (16, 256), [8, 16, 32]
     from pagewise import LLM
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, progress=False)
+    budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, progress=False, **budget)
     workload = make_workload(num, prompt_range, output_range, llm.engine.arch.vocab_size, seed=args.seed)
     print(
         f"workload: {num} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     result: dict[str, object] = {
+        "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
         "num_requests": num,
         "num_prompt_tokens": workload.num_prompt_tokens,
         "num_output_tokens": workload.num_output_tokens,
@@ -172,6 +174,9 @@ def register(subparsers) -> None:
     parser.add_argument("--quick", action="store_true", help="a small workload for smoke tests")
     parser.add_argument("--skip-hf", action="store_true", help="run only our engine")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's for the device)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
