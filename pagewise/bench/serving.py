@@ -139,7 +139,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def _summary(name: str, seconds: list[float]) -> dict[str, float]:
+def latency_summary(name: str, seconds: list[float]) -> dict[str, float]:
+    """`{name}_mean_ms` and `{name}_p50/p90/p99_ms` of latencies given in seconds."""
     ms = [s * 1000 for s in seconds]
     out = {f"{name}_mean_ms": statistics.fmean(ms) if ms else math.nan}
     out.update({f"{name}_p{q}_ms": percentile(ms, q) for q in (50, 90, 99)})
@@ -330,10 +331,10 @@ def _load_summary(plan: LoadPlan, results: list[RequestResult], duration: float)
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / duration,
     }
-    summary.update(_summary("ttft", [r.ttft for r in ok]))
-    summary.update(_summary("tpot", [r.tpot for r in ok if r.tpot is not None]))
-    summary.update(_summary("itl", [gap for r in ok for gap in r.itl]))
-    summary.update(_summary("e2e", [r.e2e for r in ok]))
+    summary.update(latency_summary("ttft", [r.ttft for r in ok]))
+    summary.update(latency_summary("tpot", [r.tpot for r in ok if r.tpot is not None]))
+    summary.update(latency_summary("itl", [gap for r in ok for gap in r.itl]))
+    summary.update(latency_summary("e2e", [r.e2e for r in ok]))
     return summary
 
 

@@ -8,6 +8,7 @@ import torch
 
 from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.sampling_params import is_int
+from pagewise.engine.scheduler import POLICIES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -69,7 +70,7 @@ class EngineConfig:
             fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "fair"):
+        if self.scheduling_policy not in POLICIES:
             fail(f"scheduling_policy must be 'fcfs' or 'fair', got {self.scheduling_policy!r}")
         if not is_int(self.swap_space_bytes) or self.swap_space_bytes < 0:
             fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")

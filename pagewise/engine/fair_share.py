@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagewise.engine.request import Request
@@ -43,7 +44,7 @@ class FairShare:
         """Scheduling order: the least-served tenant first, then arrival order within and across tenants."""
         return self.served.get(tenant_of(request), 0.0), request.arrival_seq, request.sample_index
 
-    def arrive(self, request: Request, weight: float, waiting: list[Request], running: list[Request]) -> None:
+    def arrive(self, request: Request, weight: float, waiting: Iterable[Request], running: Iterable[Request]) -> None:
         """``request`` is about to join ``waiting``; lift its tenant's counter if that tenant had none waiting."""
         tenant = tenant_of(request)
         self.weights[tenant] = weight
@@ -77,7 +78,7 @@ class FairShare:
         tenant = tenant_of(request)
         self.served[tenant] = self.served.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 
-    def snapshot(self, waiting: list[Request], running: list[Request]) -> dict[str, dict[str, float | int]]:
+    def snapshot(self, waiting: Iterable[Request], running: Iterable[Request]) -> dict[str, dict[str, float | int]]:
         """Per active tenant: its counter, weight, and running / waiting sequences (for stats and metrics)."""
         num_running = Counter(tenant_of(r) for r in running)
         num_waiting = Counter(tenant_of(r) for r in waiting)

@@ -4,7 +4,8 @@ Failures are contained. Per-request work of a step (sampling a row, recording co
 detokenizing, stop checks) that raises fails that request alone: it finishes with ``finish_reason="error"``, its
 blocks are freed and its final output carries a ``RequestFailedError``. Batch-wide work that raises (scheduling,
 the forward pass) fails every request the step touched and ``step`` raises ``StepFailedError``; block accounting
-is verified afterwards, and if it does not add up the error escapes as is (the engine cannot be trusted).
+is verified afterwards, and if it does not add up ``check_accounting``'s ``RuntimeError`` escapes, chained to the
+original error (the engine cannot be trusted).
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ class LLMEngine:
             "prefix_cache_queries": s.stats.prefix_cache_queries,
             "prefix_cache_hits": s.stats.prefix_cache_hits,
             "scheduling_policy": self.config.scheduling_policy,
-            "tenants": s.fair.snapshot(list(s.waiting), s.running) if s.fair is not None else {},
+            "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -131,8 +131,9 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[-1]
         sub = logits[rows]
         counts = torch.zeros_like(sub)
-        out_rows = [r for r, i in enumerate(rows) for _ in requests[i].output_token_ids]
-        out_ids = [t for i in rows for t in requests[i].output_token_ids]
+        outputs = [requests[i].output_token_ids for i in rows]  # a slice each: taken once per row
+        out_rows = [r for r, ids in enumerate(outputs) for _ in ids]
+        out_ids = [t for ids in outputs for t in ids]
         if out_ids:
             counts.index_put_(
                 (torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev)),
@@ -144,8 +145,9 @@ class Sampler:
         repetition = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in repetition):
             in_prompt = torch.zeros((len(rows), vocab), dtype=torch.bool, device=dev)
-            prompt_rows = [r for r, i in enumerate(rows) for _ in requests[i].prompt_token_ids]
-            prompt_ids = [t for i in rows for t in requests[i].prompt_token_ids]
+            prompts = [requests[i].prompt_token_ids for i in rows]
+            prompt_rows = [r for r, ids in enumerate(prompts) for _ in ids]
+            prompt_ids = [t for ids in prompts for t in ids]
             in_prompt[torch.tensor(prompt_rows, device=dev), torch.tensor(prompt_ids, device=dev)] = True
             penalty = torch.tensor(repetition, dtype=sub.dtype, device=dev)[:, None].expand_as(sub)
             penalty = torch.where(in_prompt | seen, penalty, torch.ones_like(penalty))

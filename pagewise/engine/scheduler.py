@@ -88,7 +88,7 @@ class Scheduler:
         """Queue a request; ``followers`` (samples 1..n-1) fork from it when its prefill completes.
         ``tenant_weight`` is the share its tenant gets under the ``fair`` policy (the latest request's wins)."""
         if self.fair is not None:
-            self.fair.arrive(leader, tenant_weight, list(self.waiting), self.running)
+            self.fair.arrive(leader, tenant_weight, self.waiting, self.running)
         self.waiting.append(leader)
         if followers:
             self.pending_forks[leader] = followers

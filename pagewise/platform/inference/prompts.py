@@ -18,6 +18,7 @@ from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.inference.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pagewise.platform.keys.auth import Principal
+from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 Endpoint = Literal["chat.completions", "completions"]
@@ -199,7 +200,7 @@ def _default_max_tokens(
                 400,
                 f"The prompt needs {prompt_total:,} tokens, leaving no room for output under this tenant's "
                 f"{field} limit of {limit:,}; shorten the prompt",
-                code="request_exceeds_limit",
+                code=REQUEST_EXCEEDS_LIMIT,
                 param="prompt" if default is not None else "messages",
             )
         bounds.append(fit)

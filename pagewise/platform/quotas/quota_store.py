@@ -11,7 +11,8 @@ Semantics (both stores, same tests):
 - A reservation is a lease: it holds its slots for `lease_s` seconds (renewable with `renew`, which extends
   all of them). A lease that runs out — its process crashed, or lost the reconcile — gives all its slots
   back at the next call for that tenant; its reserved tokens stay counted (the safe side), and a late
-  `reconcile` is a no-op returning False. Holders of long requests renew before half the lease has passed.
+  `reconcile` is a no-op returning False. The platform's lease heartbeat renews every live
+  reservation each third of a lease (`inference/leases.py`).
 """
 
 from __future__ import annotations
