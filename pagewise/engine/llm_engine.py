@@ -22,12 +22,12 @@ from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import (
     InvalidConfigError,
     InvalidRequestError,
-    PromptTooLongError,
     RequestFailedError,
     StepFailedError,
 )
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
+from pagewise.engine.limits import PromptLimits, check_prompt
 from pagewise.engine.loader import load_model
 from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
@@ -35,7 +35,7 @@ from pagewise.engine.outputs import RequestOutput, RequestUsage
 from pagewise.engine.request import Request, RequestStatus
 from pagewise.engine.request_group import RequestGroup, SampleState
 from pagewise.engine.sampler import Sampler, SampleResult
-from pagewise.engine.sampling_params import SamplingParams, is_int
+from pagewise.engine.sampling_params import SamplingParams
 from pagewise.engine.scheduler import Scheduler, SchedulerOutput
 from pagewise.engine.tokenizer import IncrementalDetokenizer
 
@@ -132,39 +132,30 @@ class LLMEngine:
 
     # ---- requests in
 
+    @property
+    def limits(self) -> PromptLimits:
+        """What `process_prompt` checks requests against (an API replica checks the same without the model)."""
+        return PromptLimits(
+            vocab_size=self.arch.vocab_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            kv_capacity_tokens=self.num_blocks * self.block_size,
+        )
+
     def process_prompt(self, prompt: PromptInput, params: SamplingParams) -> list[int]:
         """Validate a prompt and its parameters against this engine (no state change); return its token ids.
 
         As vLLM v1, a prompt of ``max_model_len`` tokens or more is rejected: at least one token must fit after it.
         """
-        vocab = self.arch.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not is_int(t) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
         else:
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(len(token_ids), self.max_model_len)
-        for name, token_id in params.token_ids_to_check():
-            if token_id >= vocab:
-                raise InvalidRequestError(f"{name} must be token ids in [0, {vocab}); got {token_id}")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        need = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        capacity = self.num_blocks * self.block_size
-        if need > capacity:
-            raise InvalidRequestError(
-                f"request needs up to {need:,} tokens of KV cache but the whole cache holds {capacity:,}; "
-                "lower max_tokens or raise kv_cache_memory_bytes"
-            )
+        check_prompt(token_ids, params, self.limits)
         return token_ids
 
     def add_request(

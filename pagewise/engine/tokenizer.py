@@ -101,6 +101,11 @@ class Tokenizer:
         eos_ids = eos_token_ids or _eos_ids_from_dir(path, backend, special.get("eos_token"))
         return cls(backend, eos_ids, chat_template=_read_chat_template(path, config), special_tokens=special)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Rust tokenizer itself (what `tokenizer.json` serializes)."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the post-processor adds (Llama's BOS)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

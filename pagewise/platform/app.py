@@ -8,6 +8,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from litestar import Litestar
@@ -15,13 +16,14 @@ from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
 
 from pagewise.platform.admin.controllers import AdminController
+from pagewise.platform.admin.workers import list_workers
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
-from pagewise.platform.engine_client import EngineClient, InProcessEngineClient
+from pagewise.platform.engine_client import EngineClient, Transport
 from pagewise.platform.errors import EXCEPTION_HANDLERS
 from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
 from pagewise.platform.inference.controllers import InferenceController
-from pagewise.platform.inference.leases import keep_leases
+from pagewise.platform.inference.leases import keep_sweeping
 from pagewise.platform.keys.auth import UNGUARDED_PATHS, ApiKeyAuthMiddleware
 from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
@@ -38,10 +40,13 @@ from pagewise.platform.telemetry import PlatformMetrics
 from pagewise.platform.tenants.controllers import TenantController
 from pagewise.platform.usage.controllers import UsageController
 
+if TYPE_CHECKING:  # only the embedded mode loads an engine; importing this module loads no torch
+    from pagewise.engine.async_engine import AsyncLLMEngine
+
 logger = logging.getLogger("pagewise.platform")
 
 
-def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> InProcessEngineClient:
+def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> AsyncLLMEngine:
     """Load the model into an in-process engine (seconds to minutes; blocking).
 
     If the engine's loop ever dies, the error is logged and `on_dead` is called (from the engine's thread):
@@ -55,7 +60,36 @@ def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -
         if on_dead is not None:
             on_dead()
 
-    return InProcessEngineClient(AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=dead))
+    return AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=dead)
+
+
+async def build_transport(
+    settings: Settings,
+    engine: AsyncLLMEngine | None,
+    requests: RequestStore,
+    quotas: QuotaStore,
+    metrics: PlatformMetrics,
+    on_engine_dead: Callable[[], None] | None,
+) -> Transport:
+    """Redis Streams to workers (`engine_mode=redis`), or an engine in this process behind the loopback."""
+    if settings.engine_mode == "redis":
+        from pagewise.platform.transports.redis import RedisTransport
+
+        return RedisTransport.from_url(
+            settings.redis_url,
+            settings.redis_key_prefix,
+            settings.engine.model,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            max_queue_depth=settings.max_queue_depth,
+            affinity=settings.routing_affinity,
+        )
+    from pagewise.platform.transports.loopback import LoopbackTransport
+    from pagewise.worker.host import EngineHost
+
+    owned = engine is None
+    if engine is None:
+        engine = await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
+    return LoopbackTransport(EngineHost(engine, requests, quotas, metrics), owns_engine=owned)
 
 
 def admin_key_file() -> Path:
@@ -94,14 +128,15 @@ def announce_admin_key(key: str) -> None:
 def create_app(
     settings: Settings | None = None,
     *,
-    engine: EngineClient | None = None,
+    engine: AsyncLLMEngine | None = None,
     quotas: QuotaStore | None = None,
     on_engine_dead: Callable[[], None] | None = None,
 ) -> Litestar:
-    """The service. `engine` and `quotas` may be passed in (tests); otherwise they are built from settings.
+    """The service. `engine` (an in-process engine) and `quotas` may be passed in (tests); otherwise they are
+    built from settings.
 
     A passed-in engine is started but not shut down by the app; one the app loads itself is both, and
-    `on_engine_dead` is called if that engine's loop dies.
+    `on_engine_dead` is called if that engine's loop dies. In `redis` engine mode no engine is loaded.
     """
     settings = settings or Settings.from_env()
 
@@ -111,15 +146,15 @@ def create_app(
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
         db = create_db_engine(settings.database_url)
         sessionmaker = create_sessionmaker(db)
-        client = engine or await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
         store = quotas or (
             RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
             if settings.redis_url
             else InProcessQuotaStore(lease_s=settings.quota_lease_s)
         )
-        services = PlatformServices(
-            settings, client, store, sessionmaker, RequestStore(sessionmaker), PlatformMetrics(client)
-        )
+        requests = RequestStore(sessionmaker)
+        metrics = PlatformMetrics(lambda: transport.stats())
+        transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
+        services = PlatformServices(settings, EngineClient(transport), store, sessionmaker, requests, metrics)
         app.state.services, app.state.sessionmaker = services, sessionmaker
         if settings.is_embedded:
             interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
@@ -131,17 +166,15 @@ def create_app(
             announce_admin_key(created.key)
         elif created is not None:
             logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
-        client.start()
-        heartbeat = asyncio.get_running_loop().create_task(keep_leases(services))
+        await transport.start()
+        sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
         try:
             yield
         finally:
-            heartbeat.cancel()
+            sweeper.cancel()
             with suppress(asyncio.CancelledError):
-                await heartbeat
-            await services.drain()
-            if engine is None:
-                client.shutdown()
+                await sweeper
+            await transport.close()
             if quotas is None:
                 await store.close()
             await db.dispose()
@@ -157,6 +190,7 @@ def create_app(
             TenantController,
             KeyController,
             AdminController,
+            list_workers,
         ],
         dependencies={
             "services": Provide(provide_services, sync_to_thread=False),

@@ -65,6 +65,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`PAGEWISE_ADMIN_KEY`: on an empty database, the bootstrap admin key (`pw_<prefix>_<secret>`) to store."""
     metrics_token: str | None = None
     """`PAGEWISE_METRICS_TOKEN`: a bearer token that may read `/metrics` (admin keys always may)."""
+    engine_mode: str = "local"
+    """`PAGEWISE_ENGINE_MODE`: `local` runs the engine in this process; `redis` hands requests to
+    `pagewise worker` processes over Redis Streams (needs `PAGEWISE_REDIS_URL`; the API then loads no model)."""
+    max_queue_depth: int = 512
+    """`PAGEWISE_MAX_QUEUE_DEPTH` (redis mode): sequences waiting across workers above which new requests get 503."""
+    worker_heartbeat_s: float = 1.0
+    """`PAGEWISE_WORKER_HEARTBEAT_S`: how often workers report; one silent for 5 heartbeats is dead."""
+    max_deliveries: int = 3
+    """`PAGEWISE_MAX_DELIVERIES`: deliveries of a request (worker deaths) before it is dead-lettered and failed."""
+    routing_affinity: bool = True
+    """`PAGEWISE_ROUTING_AFFINITY`: route a tenant's requests to the worker holding its prefix cache."""
+
+    @property
+    def heartbeat_ttl_s(self) -> float:
+        """How long a worker stays live without a heartbeat."""
+        return 5 * self.worker_heartbeat_s
 
     @property
     def is_embedded(self) -> bool:
@@ -104,6 +120,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError(
                 f"PAGEWISE_REDIS_URL must start with redis://, rediss:// or unix://; got {self.redis_url!r}"
+            )
+        if self.engine_mode not in ("local", "redis"):
+            raise SettingsError(f"PAGEWISE_ENGINE_MODE must be local or redis; got {self.engine_mode!r}")
+        if self.engine_mode == "redis" and self.redis_url is None:
+            raise SettingsError("PAGEWISE_ENGINE_MODE=redis (or --workers-external) needs PAGEWISE_REDIS_URL")
+        for name in ("max_queue_depth", "worker_heartbeat_s", "max_deliveries"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"PAGEWISE_{name.upper()} must be positive; got {getattr(self, name)}")
+        if self.heartbeat_ttl_s >= self.quota_lease_s:
+            raise SettingsError(
+                "PAGEWISE_WORKER_HEARTBEAT_S x 5 must be shorter than PAGEWISE_QUOTA_LEASE_S, so a dead worker's "
+                "requests are redelivered before their leases expire"
             )
         if self.quota_lease_s <= 0:
             raise SettingsError(f"PAGEWISE_QUOTA_LEASE_S must be positive; got {self.quota_lease_s}")

@@ -5,13 +5,15 @@ Each app owns its registry (no global state), so several apps — e.g. in tests 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagewise.platform.engine_client import EngineClient
+if TYPE_CHECKING:
+    from pagewise.protocol import Finished, Submit
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -33,13 +35,13 @@ _ENGINE_COUNTERS = {
 
 
 class EngineStatsCollector(Collector):
-    """Reads `engine.stats()` at scrape time; the engine keeps no Prometheus state of its own."""
+    """Reads the engine's stats at scrape time; the engine keeps no Prometheus state of its own."""
 
-    def __init__(self, engine: EngineClient) -> None:
-        self._engine = engine
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine.stats()
+        stats = self._stats()
         for key, help_text in _ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"pagewise:{key}", help_text, value=float(stats.get(key, 0)))
         for key, help_text in _ENGINE_COUNTERS.items():
@@ -65,7 +67,7 @@ def _tenant_gauges(tenants: dict[str, dict[str, float]]) -> Iterator[Metric]:
 
 
 class PlatformMetrics:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -96,7 +98,15 @@ class PlatformMetrics:
             buckets=_TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(EngineStatsCollector(engine))
+        r.register(EngineStatsCollector(engine_stats))
+
+    def observe_settled(self, submit: Submit, finished: Finished) -> None:
+        """Count one settled request and its billed tokens (by the process that wrote its final row)."""
+        tenant, usage = submit.tenant_id, finished.usage
+        self.requests.labels(tenant, submit.endpoint, finished.status).inc()
+        self.tokens.labels(tenant, "prompt").inc(usage.prompt_tokens)
+        self.tokens.labels(tenant, "completion").inc(usage.completion_tokens)
+        self.tokens.labels(tenant, "cached").inc(usage.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,10 +14,10 @@ import pytest
 import redis.asyncio as redis
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker
-from pagewise.platform.engine_client import InProcessEngineClient
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
@@ -133,15 +133,13 @@ def quota_store(quota_store_factory: QuotaStoreFactory) -> QuotaStore:
 
 
 @pytest.fixture(scope="session")
-def llm_engine() -> Iterator[InProcessEngineClient]:
+def llm_engine() -> Iterator[AsyncLLMEngine]:
     """The real default model, loaded once per session and shared by every app under test."""
-    from pagewise.engine.async_engine import AsyncLLMEngine
     from pagewise.engine.config import EngineConfig
 
     config = EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, scheduling_policy="fair")  # as served
     engine = AsyncLLMEngine(config, progress=False)
-    client = InProcessEngineClient(engine, owns_engine=False)
-    yield client
+    yield engine
     engine.shutdown()
 
 
@@ -178,7 +176,7 @@ def platform_quota_store() -> QuotaStore:
 
 @pytest.fixture
 async def platform(
-    database_url: str, llm_engine: InProcessEngineClient, platform_quota_store: QuotaStore
+    database_url: str, llm_engine: AsyncLLMEngine, platform_quota_store: QuotaStore
 ) -> AsyncIterator[Platform]:
     """The app on each database, driven over ASGI in the test's loop (so concurrent requests overlap)."""
     # a chosen bootstrap key: the app never writes a generated one anywhere (a terminal, a file) in tests

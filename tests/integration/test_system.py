@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from pagewise.platform.app import create_app
-from pagewise.platform.engine_client import InProcessEngineClient
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.settings import Settings
@@ -94,7 +94,7 @@ async def test_metrics_need_an_admin_key(platform: Platform) -> None:
     assert allowed.status_code == 200 and "pagewise:num_requests_running" in allowed.text
 
 
-async def test_metrics_token(database_url: str, llm_engine: InProcessEngineClient) -> None:
+async def test_metrics_token(database_url: str, llm_engine: AsyncLLMEngine) -> None:
     settings = Settings.from_env(
         {}, database_url=database_url, auto_migrate=False, metrics_token=METRICS_TOKEN, admin_key=generate_key().key
     )

@@ -1,10 +1,10 @@
-"""The lease heartbeat: what keeps a live request's claims alive, and what reclaims a dead process's.
+"""The orphan sweep: what ends the rows of an engine that stopped.
 
-Every admitted request holds two leases of `lease_s` seconds: its quota reservation (a concurrency slot and its
-reserved tokens) and its row (`lease_expires_at`). This process renews both for every live job a few times per
-lease, whatever the job is doing (waiting in the engine's queue included). A process that crashes stops renewing:
-its slots come back when the quota leases run out, and any replica's sweep marks its rows `failed` as orphans, so
-no row stays `queued` or `running` forever and no slot stays held for longer than one lease.
+Every admitted request's row carries a lease (`lease_expires_at`). The engine running it — in this process or in
+a worker — renews that lease and the quota reservation's a few times per lease (`pagewise.worker.host`). An
+engine that dies stops renewing: its quota slots come back when their leases run out, and this sweep, run by
+every API replica, marks its rows `failed`, so no row stays `queued` or `running` forever. In distributed mode a
+dead worker's requests are redelivered to a live one first, which renews their leases before they expire.
 """
 
 from __future__ import annotations
@@ -13,29 +13,24 @@ import asyncio
 import datetime as dt
 import logging
 
-from pagewise.platform.services import PlatformServices
+from pagewise.platform.requests.store import RequestStore
 
 logger = logging.getLogger(__name__)
-BEATS_PER_LEASE = 3
 
 
-async def beat(services: PlatformServices) -> None:
-    """One heartbeat: renew every live job's quota and row leases, then fail orphaned rows."""
-    jobs = list(services.live.values())
-    if jobs:
-        await asyncio.gather(*(services.quotas.renew(job.reservation) for job in jobs))
-        await services.requests.renew_leases([job.id for job in jobs], services.lease_expiry())
-    orphans = await services.requests.fail_orphans(dt.datetime.now(dt.UTC))
+async def sweep(requests: RequestStore) -> int:
+    """Fail the unfinished rows whose lease expired; returns how many."""
+    orphans = await requests.fail_orphans(dt.datetime.now(dt.UTC))
     if orphans:
-        logger.warning("failed %d requests orphaned by a process that stopped renewing their leases", orphans)
+        logger.warning("failed %d requests orphaned by an engine that stopped renewing their leases", orphans)
+    return orphans
 
 
-async def keep_leases(services: PlatformServices) -> None:
-    """Beat until cancelled; a failed beat is logged and retried at the next one."""
-    interval = services.quotas.lease_s / BEATS_PER_LEASE
+async def keep_sweeping(requests: RequestStore, interval_s: float) -> None:
+    """Sweep every `interval_s` until cancelled; a failed sweep is logged and retried at the next one."""
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval_s)
         try:
-            await beat(services)
-        except Exception:  # noqa: BLE001 - a database or Redis hiccup must not stop the heartbeat
-            logger.exception("lease heartbeat failed; retrying in %.0f s", interval)
+            await sweep(requests)
+        except Exception:  # noqa: BLE001 - a database hiccup must not stop the sweep
+            logger.exception("orphan sweep failed; retrying in %.0f s", interval_s)

@@ -11,7 +11,6 @@ import msgspec
 from litestar.response import Stream
 from litestar.types import Receive, Scope, Send
 
-from pagewise.platform.engine_client import ChoiceDelta, PositionLogprobs, TokenLogprob
 from pagewise.platform.errors import as_api_error
 from pagewise.platform.inference.job import ChoiceState, InferenceJob
 from pagewise.platform.inference.schemas import (
@@ -30,6 +29,7 @@ from pagewise.platform.inference.schemas import (
     TopLogprob,
     Usage,
 )
+from pagewise.protocol import ChoiceDelta, PositionLogprobs, TokenLogprob
 
 _DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -174,12 +174,12 @@ def _error_event(exc: Exception, job: InferenceJob) -> bytes:
 
 
 class SettlingStream(Stream):
-    """The SSE response for one job; whatever ends the response settles the job.
+    """The SSE response for one job; whatever ends the response ends the request.
 
     Litestar runs the event iterator in a task that a client disconnect cancels — possibly before the
-    iterator's first step, when `job.run` (whose `finally` settles the job) has not even started. So the
-    ASGI response is wrapped: when it ends, for any reason, the iterator is closed (a started `run` finishes
-    with the tokens so far) and the job is finished as `cancelled` (a no-op if `run` already settled it).
+    iterator's first step, when `job.run` (whose `finally` aborts the request) has not even started. So the
+    ASGI response is wrapped: when it ends, for any reason, the iterator is closed and the request is aborted
+    unless its end was seen; the engine then settles it as `cancelled`, billing the tokens it computed.
     """
 
     def __init__(self, job: InferenceJob, events: Callable[[InferenceJob], AsyncIterator[bytes]]) -> None:
@@ -193,7 +193,7 @@ class SettlingStream(Stream):
 
 
 class _SettleAfter:
-    """An ASGI app: the wrapped response, then (shielded from cancellation) the job's settlement."""
+    """An ASGI app: the wrapped response, then (shielded from cancellation) the request's end."""
 
     __slots__ = ("_events", "_job", "_response")
 
@@ -206,4 +206,4 @@ class _SettleAfter:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
-                await self._job.finish("cancelled", None)
+                await self._job.end()

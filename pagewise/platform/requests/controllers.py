@@ -12,10 +12,10 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.bodies import StrictBody, parse_body
-from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import invalid_request, not_found
-from pagewise.platform.inference.job import InferenceJob
+from pagewise.platform.inference.job import InferenceJob, wait_ended
 from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
 from pagewise.platform.inference.schemas import AsyncChatRequest, AsyncRequest
 from pagewise.platform.keys.auth import Principal, requires_scope
@@ -23,6 +23,7 @@ from pagewise.platform.requests.schemas import RequestList, RequestOut, request_
 from pagewise.platform.requests.store import newest_first, tenant_requests
 from pagewise.platform.services import Services
 
+CANCEL_WAIT_S = 30.0  # how long DELETE waits for the engine to write the cancelled row
 PageLimit = Annotated[int, QueryParameter(ge=1, le=100)]
 
 
@@ -51,8 +52,7 @@ class RequestController(Controller):
             prepared = await prepare_completion(body, request.user, services.engine)
         if prepared.stream:
             raise invalid_request("stream is not supported for asynchronous requests", param="stream")
-        job = await InferenceJob.admit(services, request.user, prepared)
-        job.start_in_background()
+        job = await InferenceJob.admit(services, request.user, prepared)  # an engine runs it, durably: no reader
         async with services.sessionmaker() as session:
             return request_out(await _get_row(session, request.user.tenant_id, job.id))
 
@@ -81,9 +81,9 @@ class RequestController(Controller):
         """Cancel a queued or running request, billing the tokens generated so far; finished ones stay."""
         tenant_id = request.user.tenant_id
         async with services.sessionmaker() as session:
-            await _get_row(session, tenant_id, request_id)  # 404 before touching anything
-        job = services.running.get(request_id)
-        if job is not None:
-            await job.cancel()
+            row = await _get_row(session, tenant_id, request_id)  # 404 before touching anything
+        if row.status in UNFINISHED_STATUSES:
+            await services.engine.transport.abort(request_id)
+            await wait_ended(services, request_id, CANCEL_WAIT_S)
         async with services.sessionmaker() as session:
             return request_out(await _get_row(session, tenant_id, request_id))

@@ -18,8 +18,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
+from pagewise.protocol import ErrorCode, ErrorInfo, Finished, Usage
 
 ORPHANED_ERROR = "orphaned: the process serving it stopped before it finished"
 
@@ -37,6 +38,43 @@ class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
     started_at: dt.datetime | None
     first_token_at: dt.datetime | None
     finished_at: dt.datetime
+
+    @classmethod
+    def failed(cls, error: str) -> FinishedRequest:
+        """A request that never ran: failed now with `error`, nothing produced, nothing billed."""
+        return cls(
+            status=RequestStatus.FAILED.value,
+            output=[],
+            finish_reason=None,
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            error=error,
+            started_at=None,
+            first_token_at=None,
+            finished_at=dt.datetime.now(dt.UTC),
+        )
+
+
+def finished_event(final: FinishedRequest, attempt: int) -> Finished:
+    """The `Finished` message a final row stands for. Errors are stored as `<ErrorCode>: <message>`; a row failed
+    by a sweep (no code) reads as `worker_lost`."""
+    error = None
+    if final.error is not None:
+        code, _, message = final.error.partition(": ")
+        if code in ErrorCode._value2member_map_:
+            error = ErrorInfo(ErrorCode(code), message)
+        else:
+            error = ErrorInfo(ErrorCode.WORKER_LOST, final.error)
+    return Finished(
+        attempt=attempt,
+        status=final.status,
+        usage=Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+        error=error if final.status == RequestStatus.FAILED.value else None,
+        started_at=None if final.started_at is None else final.started_at.timestamp(),
+        first_token_at=None if final.first_token_at is None else final.first_token_at.timestamp(),
+        finished_at=final.finished_at.timestamp(),
+    )
 
 
 class RequestStore:
@@ -73,6 +111,25 @@ class RequestStore:
                 return False
             await _add_usage(session, tenant_id, model, result)
         return True
+
+    async def final_state(self, request_id: str) -> FinishedRequest | None:
+        """What the row's final write recorded, or `None` while it is unfinished (or missing)."""
+        async with self._sessionmaker() as session:
+            row = await session.get(RequestRecord, request_id)
+        if row is None or row.status in UNFINISHED_STATUSES:
+            return None
+        return FinishedRequest(
+            status=row.status,
+            output=list(row.output or []),
+            finish_reason=row.finish_reason,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens,
+            cached_tokens=row.cached_tokens,
+            error=row.error,
+            started_at=None if row.started_at is None else as_utc(row.started_at),
+            first_token_at=None if row.first_token_at is None else as_utc(row.first_token_at),
+            finished_at=as_utc(row.finished_at or dt.datetime.now(dt.UTC)),
+        )
 
     async def renew_leases(self, request_ids: Collection[str], until: dt.datetime) -> None:
         """Set the lease of the unfinished rows among `request_ids` to `until`, in one statement; finished

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from pagewise.bench.local_server import local_server
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.engine.request_group import SampleState
 from pagewise.platform.app import create_app
-from pagewise.platform.engine_client import InProcessEngineClient
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.settings import Settings
@@ -62,16 +62,14 @@ async def test_a_request_raising_in_the_step_fails_alone(platform: Platform, mon
 
 
 @pytest.fixture
-async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, str, InProcessEngineClient]]:
+async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, str, AsyncLLMEngine]]:
     """An app over an engine of its own (a dead engine stays dead), with the forward pass always failing."""
-    from pagewise.engine.async_engine import AsyncLLMEngine
     from pagewise.engine.config import EngineConfig
 
     engine = AsyncLLMEngine(
         EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20),
         progress=False,
     )
-    client = InProcessEngineClient(engine)
 
     def broken(*_: object) -> None:
         raise RuntimeError("the device fell off the bus")
@@ -79,7 +77,7 @@ async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncCl
     engine.engine.runner.execute = broken
     admin_key = generate_key().key
     settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=admin_key)
-    app = create_app(settings, engine=client, quotas=InProcessQuotaStore())
+    app = create_app(settings, engine=engine, quotas=InProcessQuotaStore())
     async with app.lifespan():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
@@ -91,18 +89,18 @@ async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncCl
             async with app.state.sessionmaker() as session:
                 tenant = await TenantService(session).create(TenantCreate(name=f"dying-{generate_key().prefix}"))
                 key = (await KeyService(session).create(tenant.id, KeyCreate())).key
-            yield http, key, client
+            yield http, key, engine
     engine.shutdown()
 
 
 async def test_a_dead_engine_is_not_ready_and_refuses_requests(
-    dying_platform: tuple[httpx.AsyncClient, str, InProcessEngineClient],
+    dying_platform: tuple[httpx.AsyncClient, str, AsyncLLMEngine],
 ) -> None:
-    http, key, client = dying_platform
+    http, key, engine = dying_platform
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     statuses = [(await http.post("/v1/completions", json=body, headers=bearer(key))).status_code for _ in range(3)]
     assert all(s in (500, 503) for s in statuses), statuses  # each failed step fails its request; the third kills
-    assert client.error is not None
+    assert engine.error is not None
     ready = await http.get("/ready")
     assert ready.status_code == 503 and ready.json()["model_loaded"] is False
     refused = await http.post("/v1/completions", json=body, headers=bearer(key))

@@ -1,4 +1,4 @@
-"""The lease heartbeat keeps live requests' claims fresh and reclaims rows a dead process left behind."""
+"""The engine's lease heartbeat keeps live requests' claims fresh; the sweep fails rows a dead engine left."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import datetime as dt
 import pytest
 
 from pagewise.platform.db.models import RequestRecord, as_utc
-from pagewise.platform.inference.leases import beat
+from pagewise.platform.inference.leases import sweep
 from pagewise.platform.requests.store import ORPHANED_ERROR
 
 from ..harness import MODEL, Platform, bearer
@@ -32,8 +32,10 @@ async def test_heartbeat_renews_a_live_request_and_fails_an_orphan(platform: Pla
     async with services.sessionmaker() as session:
         first_lease = as_utc((await session.get(RequestRecord, live_id)).lease_expires_at)
 
+    host = services.engine.transport.host  # the embedded engine's host
     await asyncio.sleep(0.01)
-    await beat(services)
+    await host.renew()
+    assert await sweep(services.requests) == 1
 
     async with services.sessionmaker() as session:
         live = await session.get(RequestRecord, live_id)
@@ -42,5 +44,5 @@ async def test_heartbeat_renews_a_live_request_and_fails_an_orphan(platform: Pla
     assert (gone.status, gone.error) == ("failed", ORPHANED_ERROR)
     cancelled = await platform.http.delete(f"/v1/requests/{live_id}", headers=bearer(key))
     assert cancelled.json()["status"] == "cancelled"
-    assert live_id not in services.live
+    assert live_id not in host.live
     assert (await services.quotas.usage(tenant["id"])).concurrent == 0

@@ -1,7 +1,7 @@
 """Every way a request can end settles its quota reservation exactly once and leaves its row terminal.
 
 Paths: the client hangs up before the first chunk, the engine fails, the engine rejects the request after
-admission, an async request is cancelled before its task ever ran, an engine-side abort.
+admission, an abort that overtakes its Submit, an engine-side abort.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import pytest
 from litestar.types import Message
 from sqlalchemy import select
 
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.engine.outputs import NO_USAGE
 from pagewise.platform.db.models import ApiKey, RequestRecord
-from pagewise.platform.engine_client import GenerationDelta, InProcessEngineClient
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_completion
 from pagewise.platform.inference.schemas import CompletionRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.quota_store import QuotaLimits
+from pagewise.protocol import Submit
 
 from ..harness import MODEL, Platform, asgi_scope, bearer
 
@@ -78,27 +79,22 @@ async def test_disconnect_before_first_chunk_releases_the_slot(platform: Platfor
     assert response.status_code == 200, response.text
 
 
-class _FailingEngine:
-    """The real engine client, except that generation fails: at once, or after the first delta."""
+def _failing_generate(engine: AsyncLLMEngine, *, after_first: bool) -> Any:
+    """The real engine's `generate`, except that generation fails: at once, or after the first output."""
+    real = engine.generate
 
-    def __init__(self, inner: InProcessEngineClient, *, after_first: bool) -> None:
-        self._inner = inner
-        self._after_first = after_first
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def generate(
-        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future, **_: Any
-    ) -> AsyncIterator[GenerationDelta]:
-        if self._after_first:  # the real engine reports the usage of the request it aborts
-            async with aclosing(self._inner.generate(prompt, params, request_id, tenant_id, usage)) as deltas:
-                async for delta in deltas:
-                    yield delta
+    async def generate(prompt: list[int], params: Any, request_id: str, tenant_id: str, *, usage: Future, **kw: Any
+                       ) -> AsyncIterator[Any]:
+        if after_first:  # the real engine reports the usage of the request it aborts
+            async with aclosing(real(prompt, params, request_id, tenant_id, usage=usage, **kw)) as outputs:
+                async for output in outputs:
+                    yield output
                     break
         else:
             usage.set_result(NO_USAGE)  # nothing ran: the engine's report says so
         raise RuntimeError("engine exploded")
+
+    return generate
 
 
 @pytest.mark.parametrize("after_first", [False, True])
@@ -107,9 +103,8 @@ async def test_engine_failure_settles_and_fails_the_row(
     platform: Platform, monkeypatch: pytest.MonkeyPatch, after_first: bool, stream: bool
 ) -> None:
     tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
-    monkeypatch.setattr(
-        platform.services, "engine", _FailingEngine(platform.services.engine, after_first=after_first)
-    )
+    engine = platform.services.engine.transport.host.engine
+    monkeypatch.setattr(engine, "generate", _failing_generate(engine, after_first=after_first))
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": stream}
     response = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
     if stream:
@@ -125,32 +120,29 @@ async def test_engine_failure_settles_and_fails_the_row(
     assert "engine exploded" in (row.error or "")
 
 
-class _RejectingEngine(_FailingEngine):
-    """Validation that passes at admission but fails in the engine (e.g. the engine changed in between)."""
-
-    async def generate(
-        self, prompt: list[int], params: Any, request_id: str, tenant_id: str, usage: Future, **_: Any
-    ) -> AsyncIterator[GenerationDelta]:
-        from pagewise.engine.errors import InvalidRequestError
-
-        usage.set_result(NO_USAGE)
-        raise InvalidRequestError("rejected by the engine")
-        yield  # pragma: no cover
-
-
 async def test_engine_validation_failure_after_reservation(
     platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Validation that passes at admission but fails in the engine (e.g. the engine changed in between)."""
+    from pagewise.engine.errors import InvalidRequestError
+
     tenant, key = await platform.tenant_with_key()
-    monkeypatch.setattr(platform.services, "engine", _RejectingEngine(platform.services.engine, after_first=False))
+    engine = platform.services.engine.transport.host.engine
+
+    def reject(prompt: object, params: object) -> None:
+        raise InvalidRequestError("rejected by the engine", param="prompt")
+
+    monkeypatch.setattr(engine.engine, "process_prompt", reject)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
     response = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"] == "rejected by the engine"
+    assert response.json()["error"]["param"] == "prompt"
     await _assert_settled(platform, tenant["id"], "failed")
 
 
-async def test_async_request_cancelled_before_it_ran(platform: Platform) -> None:
+async def test_request_aborted_before_it_ran(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abort that reaches the engine before the Submit does: nothing runs, nothing is billed."""
     tenant, key = await platform.tenant_with_key(max_concurrent_requests=1)
     async with platform.services.sessionmaker() as session:
         key_id = await session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == tenant["id"]))
@@ -167,10 +159,19 @@ async def test_async_request_cancelled_before_it_ran(platform: Platform) -> None
     prepared = await prepare_completion(
         CompletionRequest(model=MODEL, prompt="Hello", max_tokens=4), principal, platform.services.engine
     )
+    host = platform.services.engine.transport.host
+    real_run = host.run
+
+    def run_after_abort(submit: Submit, emit: Any, **kw: Any) -> Any:
+        host.abort(submit.request_id)  # the abort overtakes the Submit
+        return real_run(submit, emit, **kw)
+
+    monkeypatch.setattr(host, "run", run_after_abort)
     job = await InferenceJob.admit(platform.services, principal, prepared)
-    job.start_in_background()
-    await job.cancel()  # before the task's first step: its body never runs
-    assert job.id not in platform.services.running
+    await job.collect()
+    assert job.final is not None and job.final.status == "cancelled"
+    await asyncio.sleep(0)  # the execution's task ends right after its terminal event
+    assert job.id not in host.live
     row = await _assert_settled(platform, tenant["id"], "cancelled")
     assert row.completion_tokens == 0
 
@@ -198,7 +199,7 @@ async def test_engine_side_abort_ends_cancelled(platform: Platform) -> None:
             events.append(message["body"])
             if len(events) == 3:  # two text deltas in: abort on the engine's side
                 request_id = json.loads(message["body"].removeprefix(b"data: "))["id"]
-                await platform.services.engine.abort(f"{request_id}-0")
+                platform.services.engine.transport.host.engine.abort(f"{request_id}-0")
 
     await asyncio.wait_for(platform.app(asgi_scope("/v1/completions", key), receive, send), timeout=120)
     last = json.loads(events[-1].removeprefix(b"data: "))

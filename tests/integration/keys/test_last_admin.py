@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.app import create_app
 from pagewise.platform.db.models import ApiKey, Tenant
-from pagewise.platform.engine_client import InProcessEngineClient
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
@@ -86,7 +86,7 @@ async def test_without_any_working_admin_key_nothing_is_refused(empty_db: async_
 
 
 async def test_over_http_the_refusal_is_a_409_and_changes_nothing(
-    empty_database_url: str, empty_db: async_sessionmaker[AsyncSession], llm_engine: InProcessEngineClient
+    empty_database_url: str, empty_db: async_sessionmaker[AsyncSession], llm_engine: AsyncLLMEngine
 ) -> None:
     async with empty_db() as session:
         first = await KeyService(session).bootstrap_admin()

@@ -1,0 +1,197 @@
+"""The distributed mode's transport: Submits to `pagewise worker` processes over Redis Streams.
+
+- Routing keeps per-tenant prefix caches useful: a tenant's requests go to the live worker with the highest
+  rendezvous score for (tenant, worker) — stable while the set of workers is, and moving only the tenants of a
+  worker that joins or leaves — unless that worker is saturated (its running + waiting sequences, plus what this
+  replica sent it since its last heartbeat, reach `max_num_seqs`); then the least loaded live worker takes it.
+  `affinity=False` routes every request to the least loaded worker (what a blind balancer does).
+- Backpressure: when the sequences waiting across live workers exceed `max_queue_depth`, or no worker is live,
+  `check_capacity` answers 503 with `Retry-After` before anything is reserved or written.
+- Events are read from the request's own stream from its start, so any replica can serve a stream, a retry or a
+  reconnect. Aborts are a key (seen by a worker that takes the Submit later) plus a pub/sub notice (seen at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import redis.asyncio as redis
+
+from pagewise.engine.tokenizer import Tokenizer
+from pagewise.platform.engine_client import tokenizer_from_spec
+from pagewise.platform.errors import APIError
+from pagewise.protocol import (
+    EngineInfo,
+    Event,
+    Finished,
+    RedisKeys,
+    Rejected,
+    Submit,
+    WorkerHeartbeat,
+    decode_event,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+REFRESH_S = 0.5  # how often the worker list and the model's EngineInfo are re-read
+ABORT_TTL_S = 3600
+READ_BLOCK_MS = 1000
+
+
+class RedisTransport:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        model: str,
+        *,
+        heartbeat_ttl_s: float,
+        max_queue_depth: int,
+        affinity: bool = True,
+    ) -> None:
+        self._redis = client
+        self._keys = keys
+        self._model = model
+        self._ttl = heartbeat_ttl_s
+        self._max_queue_depth = max_queue_depth
+        self._affinity = affinity
+        self._info: EngineInfo | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._workers: list[WorkerHeartbeat] = []
+        self._sent_since_beat: dict[str, int] = {}  # worker id -> Submits sent since its heartbeat we last read
+        self._refresher: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str, model: str, **options: Any) -> RedisTransport:
+        return cls(redis.Redis.from_url(url), RedisKeys(prefix), model, **options)
+
+    # ---- what the engines serve
+
+    def engine_info(self) -> EngineInfo | None:
+        return self._info
+
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    def workers(self) -> list[WorkerHeartbeat]:
+        return list(self._workers)
+
+    def stats(self) -> dict[str, Any]:
+        """Every numeric engine stat summed over the live workers; KV usage is the mean."""
+        total: dict[str, Any] = {}
+        for worker in self._workers:
+            for key, value in worker.stats.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        if self._workers:
+            total["kv_cache_usage_perc"] = sum(w.kv_usage for w in self._workers) / len(self._workers)
+        total["num_workers"] = len(self._workers)
+        return total
+
+    def error(self) -> BaseException | None:
+        return None  # workers come and go; readiness says whether one is live
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.get_running_loop().create_task(self._keep_refreshing())
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        await self._redis.aclose()
+
+    async def refresh(self) -> None:
+        """Re-read the live workers and, until it is known, the model's `EngineInfo`."""
+        if self._info is None:
+            raw = await self._redis.get(self._keys.info(self._model))
+            if raw is not None:
+                info = msgspec.msgpack.decode(raw, type=EngineInfo)
+                if info.tokenizer is not None:
+                    self._tokenizer = tokenizer_from_spec(info.tokenizer)
+                self._info = info
+                logger.info("serving %s from the workers that announced it", info.model)
+        beats = await self._redis.hgetall(self._keys.workers(self._model))
+        now = time.time()
+        workers = [msgspec.msgpack.decode(raw, type=WorkerHeartbeat) for raw in beats.values()]
+        fresh = [w for w in workers if now - w.last_heartbeat < self._ttl]
+        previous = {w.worker_id: w.last_heartbeat for w in self._workers}
+        for w in fresh:
+            if previous.get(w.worker_id) != w.last_heartbeat:
+                self._sent_since_beat.pop(w.worker_id, None)
+        self._workers = sorted(fresh, key=lambda w: w.worker_id)
+
+    async def _keep_refreshing(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - Redis hiccup: keep the last view and retry
+                logger.exception("could not refresh the worker list")
+
+    # ---- requests
+
+    def check_capacity(self) -> None:
+        if not self._workers:
+            raise APIError(
+                503,
+                f"No engine worker serving '{self._model}' is live; retry shortly",
+                code="engine_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        waiting = sum(w.waiting for w in self._workers) + sum(self._sent_since_beat.values())
+        if waiting > self._max_queue_depth:
+            raise APIError(
+                503,
+                f"The engines of '{self._model}' have {waiting} requests waiting (limit {self._max_queue_depth});"
+                " retry shortly",
+                code="overloaded",
+                headers={"Retry-After": "2"},
+            )
+
+    def route(self, tenant_id: str) -> WorkerHeartbeat:
+        """The worker that takes `tenant_id`'s next request (see the module docstring)."""
+        self.check_capacity()
+
+        def load(w: WorkerHeartbeat) -> int:
+            return w.load + self._sent_since_beat.get(w.worker_id, 0)
+
+        if self._affinity:
+            preferred = max(self._workers, key=lambda w: _rendezvous(tenant_id, w.worker_id))
+            if load(preferred) < preferred.max_num_seqs:
+                return preferred
+        return min(self._workers, key=lambda w: (load(w) / max(w.max_num_seqs, 1), w.worker_id))
+
+    async def submit(self, submit: Submit) -> None:
+        worker = self.route(submit.tenant_id)
+        await self._redis.xadd(self._keys.submissions(worker.worker_id), {"m": encode(submit)})
+        self._sent_since_beat[worker.worker_id] = self._sent_since_beat.get(worker.worker_id, 0) + 1
+
+    async def events(self, request_id: str) -> AsyncIterator[Event]:
+        stream, last = self._keys.events(request_id), "0-0"
+        while True:
+            reply = await self._redis.xread({stream: last}, count=256, block=READ_BLOCK_MS)
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    event = decode_event(fields[b"m"])
+                    yield event
+                    if isinstance(event, Finished | Rejected):
+                        return
+
+    async def abort(self, request_id: str) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._keys.aborted(request_id), 1, ex=ABORT_TTL_S)
+            pipe.publish(self._keys.aborts(self._model), request_id)
+            await pipe.execute()
+
+
+def _rendezvous(tenant_id: str, worker_id: str) -> int:
+    digest = hashlib.blake2b(f"{tenant_id}\x00{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

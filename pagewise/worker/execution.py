@@ -1,0 +1,329 @@
+"""One `Submit` run on an engine, from its first step to its final row: the engine side of the protocol.
+
+Invariants:
+- An execution ends with exactly one terminal event — `Finished` (completed / cancelled / failed) or `Rejected`
+  — emitted only after the request's final row is written, so a client that saw the end reads a final row.
+- The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
+  reconciled only by the execution whose write won. A redelivered Submit whose row is already final is not run
+  again: its `Finished` is re-sent from the row, and nothing is billed twice.
+- Billed tokens are what the engine really computed: each prompt's usage report (`RequestUsage`), resolved when
+  the prompt leaves the engine for any reason — an abort included, so tokens generated before the engine saw the
+  abort are billed too.
+- `abort()` works at any moment: before the first step (nothing runs, nothing is billed), while running (the
+  engine frees the request's blocks at its next step; the execution ends `cancelled`), or after the end (no-op).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime as dt
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagewise.engine.errors import EngineDeadError, InvalidRequestError
+from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagewise.platform.quotas.quota_store import QuotaStore
+from pagewise.platform.requests.store import FinishedRequest, RequestStore, finished_event
+from pagewise.protocol import (
+    ChoiceDelta,
+    Delta,
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    Finished,
+    PositionLogprobs,
+    Rejected,
+    Submit,
+    TokenLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from pagewise.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger(__name__)
+ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
+USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
+Emit = Callable[[Event], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Prompt:
+    report: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False  # its engine stream began: its report will be resolved, whatever happens next
+    reached_engine: bool = False
+
+
+class Execution:
+    """Runs `submit` on `engine` (attempt number `attempt`), emitting its events through `emit`."""
+
+    def __init__(
+        self,
+        submit: Submit,
+        engine: AsyncLLMEngine,
+        requests: RequestStore,
+        quotas: QuotaStore,
+        emit: Emit,
+        *,
+        attempt: int = 1,
+    ) -> None:
+        self.submit = submit
+        self.attempt = attempt
+        self._engine, self._requests, self._quotas, self._emit = engine, requests, quotas, emit
+        n = submit.params.n
+        self._choices = [_Choice() for _ in range(len(submit.prompts) * n)]
+        self._prompts = [_Prompt() for _ in submit.prompts]
+        self._aborted = False
+        self.won = False  # whether this execution's final write was the one that finished the row
+        self._started_at = time.time()
+        self._first_token_at: float | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def request_id(self) -> str:
+        return self.submit.request_id
+
+    def engine_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.submit.prompts))]
+
+    def abort(self) -> None:
+        """End the request as `cancelled`, now or at its next step; idempotent."""
+        self._aborted = True
+        for engine_id in self.engine_ids():
+            self._engine.abort(engine_id)
+
+    async def run(self) -> Event:
+        """Run to the end (or the abort); returns the terminal event, already emitted."""
+        final = await self._requests.final_state(self.request_id)
+        if final is not None:  # a redelivery of a request some attempt already finished
+            return await self._send(finished_event(final, self.attempt))
+        try:
+            self._check()
+        except InvalidRequestError as exc:
+            return await self._reject(ErrorInfo(ErrorCode.INVALID_REQUEST, str(exc), exc.param))
+        if self.submit.deadline is not None and time.time() > self.submit.deadline:
+            message = "the request waited past its deadline before an engine could take it"
+            return await self._reject(ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
+        status, error = "cancelled", None
+        try:
+            if not self._aborted:
+                async with aclosing(_merge([self._stream(i) for i in range(len(self._prompts))])) as outputs:
+                    async for prompt_index, output in outputs:
+                        await self._record(prompt_index, output)
+                        if self._aborted:
+                            break
+                if not self._aborted and not any(c.finish_reason == ABORTED for c in self._choices):
+                    status = "completed"
+        except EngineDeadError as exc:
+            status, error = "failed", ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, f"the inference engine stopped: {exc}")
+        except Exception as exc:  # noqa: BLE001 - one request's failure is reported, never raised into the host
+            logger.exception("request %s failed on the engine", self.request_id)
+            status, error = "failed", ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        # Cancellation (the host's loop going down) skips this: the row's lease then expires, and the request
+        # is failed as an orphan or, in distributed mode, redelivered to another worker.
+        return await asyncio.shield(asyncio.ensure_future(self._settle(status, error)))
+
+    def _check(self) -> None:
+        """The engine's own checks (the API ran the same against the published limits)."""
+        for prompt in self.submit.prompts:
+            self._engine.engine.process_prompt(prompt, self.submit.params)
+
+    async def _stream(self, index: int) -> AsyncIterator[RequestOutput]:
+        """Prompt `index`'s outputs. `started` is set with no suspension point before the engine's `generate`
+        runs, which resolves the prompt's usage report however it ends from then on."""
+        state = self._prompts[index]
+        state.started = True
+        stream = self._engine.generate(
+            self.submit.prompts[index],
+            self.submit.params,
+            self.engine_ids()[index],
+            self.submit.tenant_id,  # the prefix-cache salt: it comes from the API key, never from the body
+            usage=state.report,
+            tenant_weight=self.submit.tenant_weight,
+        )
+        async with aclosing(stream) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _record(self, prompt_index: int, output: RequestOutput) -> None:
+        prompt = self._prompts[prompt_index]
+        prompt.reached_engine = True
+        prompt.prompt_tokens, prompt.cached_tokens = len(output.prompt_token_ids), output.num_cached_tokens
+        n = self.submit.params.n
+        choices = []
+        for c in output.outputs:
+            if not (c.token_ids or c.text or c.finish_reason):
+                continue
+            index = prompt_index * n + c.index
+            state = self._choices[index]
+            state.text.append(c.text)
+            state.num_tokens += len(c.token_ids)
+            state.finish_reason = c.finish_reason or state.finish_reason
+            choices.append(_choice(index, c, self.submit.params.logprobs))
+        if not choices:
+            return
+        if self._first_token_at is None and any(c.token_ids for c in choices):
+            self._first_token_at = time.time()
+            started, first = _utc(self._started_at), _utc(self._first_token_at)
+            self._spawn(self._requests.mark_running(self.request_id, started, first))
+        reached = [p for p in self._prompts if p.reached_engine]
+        await self._emit(
+            Delta(
+                attempt=self.attempt,
+                choices=choices,
+                prompt_tokens=sum(p.prompt_tokens for p in reached),
+                cached_tokens=sum(p.cached_tokens for p in reached),
+            )
+        )
+
+    async def _reject(self, error: ErrorInfo) -> Event:
+        """Refused before running: the row fails with the reason, the reservation comes back whole."""
+        won = await self._requests.finish(
+            self.request_id, self.submit.tenant_id, self.submit.model, self._result("failed", error, Usage())
+        )
+        if won:
+            self.won = True
+            await self._quotas.reconcile(self.submit.reservation, 0)
+        return await self._send(Rejected(error=error))
+
+    async def _settle(self, status: str, error: ErrorInfo | None) -> Event:
+        usage = await self._usage()
+        result = self._result(status, error, usage)
+        won = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
+        if won:
+            self.won = True
+            await self._quotas.reconcile(self.submit.reservation, usage.total)
+            event = Finished(
+                attempt=self.attempt,
+                status=status,
+                usage=usage,
+                error=error,
+                started_at=self._started_at,
+                first_token_at=self._first_token_at,
+                finished_at=result.finished_at.timestamp(),
+            )
+        else:  # finished elsewhere meanwhile (a sweep, another attempt): the row's word is final
+            final = await self._requests.final_state(self.request_id)
+            event = finished_event(final, self.attempt) if final is not None else Finished(
+                attempt=self.attempt, status=status, usage=usage, error=error, finished_at=time.time()
+            )
+        await asyncio.gather(*self._background, return_exceptions=True)
+        return await self._send(event)
+
+    async def _usage(self) -> Usage:
+        """The engine's own count, summed over the prompts that reached it; the streamed counts if it hung."""
+        reports = [p.report for p in self._prompts if p.started]
+        if not reports:
+            return Usage()
+        try:
+            usages = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(r) for r in reports)), USAGE_REPORT_TIMEOUT_S
+            )
+        except Exception:  # noqa: BLE001 - a dead or hung engine: bill what its deltas reported
+            logger.exception("request %s: no usage report; billing the streamed counts", self.request_id)
+            reached = [p for p in self._prompts if p.reached_engine]
+            return Usage(
+                sum(p.prompt_tokens for p in reached),
+                sum(c.num_tokens for c in self._choices),
+                sum(p.cached_tokens for p in reached),
+            )
+        return Usage(
+            sum(u.prompt_tokens for u in usages),
+            sum(u.completion_tokens for u in usages),
+            sum(u.cached_tokens for u in usages),
+        )
+
+    def _result(self, status: str, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
+        return FinishedRequest(
+            status=status,
+            output=[
+                {"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason}
+                for i, c in enumerate(self._choices)
+            ],
+            finish_reason=self._choices[0].finish_reason,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            error=None if error is None else f"{error.code}: {error.message}",
+            started_at=_utc(self._started_at),
+            first_token_at=None if self._first_token_at is None else _utc(self._first_token_at),
+            finished_at=dt.datetime.now(dt.UTC),
+        )
+
+    async def _send(self, event: Event) -> Event:
+        await self._emit(event)
+        return event
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _utc(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def _choice(index: int, c: CompletionOutput, num_logprobs: int | None) -> ChoiceDelta:
+    logprobs = None
+    if num_logprobs is not None and c.logprobs is not None:
+        logprobs = [_position(tid, pos, num_logprobs) for tid, pos in zip(c.token_ids, c.logprobs, strict=True)]
+    return ChoiceDelta(index, c.text, list(c.token_ids), c.finish_reason, logprobs)
+
+
+def _position(token_id: int, candidates: dict[int, Logprob], k: int) -> PositionLogprobs:
+    def entry(tid: int, lp: Logprob) -> TokenLogprob:
+        return TokenLogprob(tid, lp.decoded_token or "", lp.logprob)
+
+    ranked = sorted(candidates.items(), key=lambda item: item[1].rank)
+    top = [entry(tid, lp) for tid, lp in ranked[:k]]
+    return PositionLogprobs(chosen=entry(token_id, candidates[token_id]), top=top)
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' streams as their outputs arrive; leaving early closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream) as outputs:
+                async for output in outputs:
+                    queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
