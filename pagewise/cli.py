@@ -1,4 +1,4 @@
-"""``pagewise`` command line: generate | bench … | serve | db | tenants | keys."""
+"""``pagewise`` command line: generate | bench … | serve | worker | db | tenants | keys."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, throughput
 from pagewise.platform import cli as platform_cli
+from pagewise.worker import cli as worker_cli
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
         module.register(bench)
     platform_cli.register(commands)
+    worker_cli.register(commands, add_engine_arguments)
     return parser
 
 

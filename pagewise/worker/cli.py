@@ -1,0 +1,98 @@
+"""`pagewise worker`: an engine worker of the distributed mode (see `pagewise.worker.redis_worker`).
+
+Reads `PAGEWISE_DATABASE_URL`, `PAGEWISE_REDIS_URL` (required), `PAGEWISE_REDIS_KEY_PREFIX`, the lease and
+heartbeat settings, and the engine flags (which win over `PAGEWISE_*` engine variables). Exit status: 0 after
+SIGTERM/SIGINT (in-flight requests run to their end first), 2 when it cannot start, 3 when its engine died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+ENGINE_DIED_EXIT_STATUS = 3
+STARTUP_ERROR_EXIT_STATUS = 2
+logger = logging.getLogger("pagewise.worker")
+
+
+def register(subparsers: argparse._SubParsersAction, add_engine_arguments: Callable[[Any], None]) -> None:
+    worker = subparsers.add_parser("worker", help="run an engine worker that serves requests from Redis Streams")
+    worker.add_argument("--worker-id", help="a stable name for this worker (default: <host>-<random>)")
+    worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: none)")
+    worker.add_argument("--metrics-host", default="0.0.0.0", help="the metrics port's address (default: 0.0.0.0)")
+    add_engine_arguments(worker)
+    worker.set_defaults(func=worker_command)
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    from pagewise.engine.config import EngineConfig
+    from pagewise.platform.settings import Settings, SettingsError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_flags = {f.name: getattr(args, f.name, None) for f in fields(EngineConfig)}
+    try:
+        settings = Settings.from_env(engine=engine_flags)
+        if settings.redis_url is None:
+            raise SettingsError("pagewise worker needs PAGEWISE_REDIS_URL (the Redis its API replicas use)")
+    except SettingsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return STARTUP_ERROR_EXIT_STATUS
+    return asyncio.run(_serve(settings, args))
+
+
+async def _serve(settings: Any, args: argparse.Namespace) -> int:
+    import anyio
+    import prometheus_client
+    import redis.asyncio as redis
+
+    from pagewise.platform.app import load_engine
+    from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+    from pagewise.platform.quotas.redis_store import RedisQuotaStore
+    from pagewise.platform.requests.store import RequestStore
+    from pagewise.platform.telemetry import PlatformMetrics
+    from pagewise.protocol import RedisKeys
+    from pagewise.worker.host import EngineHost
+    from pagewise.worker.redis_worker import RedisWorker
+
+    loop = asyncio.get_running_loop()
+    died: list[bool] = []
+    holder: list[RedisWorker] = []
+
+    def engine_died() -> None:  # from the engine's thread
+        died.append(True)
+        if holder:
+            loop.call_soon_threadsafe(holder[0].stop)
+
+    db = create_db_engine(settings.database_url)
+    quotas = RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        engine = await anyio.to_thread.run_sync(load_engine, settings, engine_died)
+        host = EngineHost(engine, RequestStore(create_sessionmaker(db)), quotas)
+        host.metrics = PlatformMetrics(host.stats)
+        if args.metrics_port is not None:
+            prometheus_client.start_http_server(args.metrics_port, args.metrics_host, registry=host.metrics.registry)
+        worker = RedisWorker(
+            host,
+            client,
+            RedisKeys(settings.redis_key_prefix),
+            worker_id=args.worker_id,
+            heartbeat_s=settings.worker_heartbeat_s,
+            max_deliveries=settings.max_deliveries,
+        )
+        holder.append(worker)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+        engine.shutdown()
+    finally:
+        await client.aclose()
+        await quotas.close()
+        await db.dispose()
+    return ENGINE_DIED_EXIT_STATUS if died else 0

@@ -1,0 +1,265 @@
+"""`pagewise worker`: one engine serving Submits from Redis Streams, crash-safe and cancellable.
+
+Invariants:
+- A Submit is acknowledged (`XACK`, then deleted) only after its execution emitted the terminal event, which
+  comes after the final row was written. A worker that dies leaves its in-flight Submits pending.
+- Every worker heartbeats (`WorkerHeartbeat` in the model's worker hash, plus an `alive` key that expires after
+  `heartbeat_ttl_s`). A live worker adopts the streams of a dead one: it claims the pending Submits
+  (`XAUTOCLAIM`, idle at least one TTL) and reads the ones never delivered, and runs each again from the start
+  as a new attempt. A Submit delivered more than `max_deliveries` times goes to the dead-letter stream and its
+  request fails with the reason; no Submit is lost or run by two live workers at once.
+- A redelivered Submit never bills twice: the final write is guarded, and a request already final is answered
+  from its row (`Execution.run`).
+- An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import redis.asyncio as redis
+
+from pagewise.platform.requests.store import FinishedRequest
+from pagewise.protocol import ErrorCode, ErrorInfo, Event, Finished, RedisKeys, Usage, decode_submit, encode
+from pagewise.worker.execution import Emit
+from pagewise.worker.host import EngineHost
+
+logger = logging.getLogger(__name__)
+READ_COUNT = 64
+READ_BLOCK_MS = 1000
+EVENTS_MAXLEN = 100_000  # entries kept per request stream (a runaway reader cannot grow Redis without bound)
+EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late readers and reconnects
+
+
+class RedisWorker:
+    def __init__(
+        self,
+        host: EngineHost,
+        client: redis.Redis,
+        keys: RedisKeys,
+        *,
+        worker_id: str | None = None,
+        heartbeat_s: float = 1.0,
+        max_deliveries: int = 3,
+    ) -> None:
+        self.host = host
+        self.model = host.engine.model_name
+        self.worker_id = worker_id or f"{host.hostname}-{uuid.uuid4().hex[:8]}"
+        self._redis = client
+        self._keys = keys
+        self._heartbeat_s = heartbeat_s
+        self._ttl_s = 5 * heartbeat_s
+        self._max_deliveries = max_deliveries
+        self._stopping = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+
+    @property
+    def inbox(self) -> str:
+        return self._keys.submissions(self.worker_id)
+
+    async def run(self) -> None:
+        """Serve until `stop()`: announce, heartbeat, listen for aborts, adopt dead workers, consume the inbox.
+        On stop, in-flight requests run to their end first."""
+        await self._ensure_group(self.inbox)
+        info = self.host.engine_info(with_tokenizer=True)
+        await self._redis.set(self._keys.info(self.model), encode(info))
+        self.host.start()
+        await self._beat()
+        tasks = [
+            asyncio.create_task(self._keep_beating()),
+            asyncio.create_task(self._listen_for_aborts()),
+            asyncio.create_task(self._keep_adopting()),
+        ]
+        logger.info("worker %s serving %s (inbox %s)", self.worker_id, self.model, self.inbox)
+        try:
+            while not self._stopping.is_set():
+                await self._consume(self.inbox, ">")
+        finally:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._redis.delete(self._keys.alive(self.worker_id))  # others adopt what is left in the inbox
+            await self.host.drain()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # ---- consuming
+
+    async def _ensure_group(self, stream: str) -> None:
+        try:
+            await self._redis.xgroup_create(stream, RedisKeys.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _consume(self, stream: str, start: str) -> int:
+        """Read and start up to `READ_COUNT` Submits of `stream` (`>`: new ones); returns how many."""
+        reply = await self._redis.xreadgroup(
+            RedisKeys.GROUP, self.worker_id, {stream: start}, count=READ_COUNT, block=READ_BLOCK_MS
+        )
+        started = 0
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                await self._start(stream, entry_id, fields, attempt=1)
+                started += 1
+        return started
+
+    async def _start(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], *, attempt: int) -> None:
+        try:
+            submit = decode_submit(fields[b"m"])
+        except Exception:  # noqa: BLE001 - an entry no version of pagewise wrote: drop it, loudly
+            logger.exception("dropping malformed entry %s of %s", entry_id, stream)
+            await self._ack(stream, entry_id)
+            return
+        if await self._redis.exists(self._keys.aborted(submit.request_id)):
+            self.host.abort(submit.request_id)  # remembered, and applied when `run` creates the execution
+        task = self.host.run(submit, self._emitter(submit.request_id), attempt=attempt)
+
+        async def finish() -> None:
+            try:
+                await task
+            finally:
+                await self._ack(stream, entry_id)
+
+        wrapper = asyncio.create_task(finish())
+        self._inflight.add(wrapper)
+        wrapper.add_done_callback(self._inflight.discard)
+
+    def _emitter(self, request_id: str) -> Emit:
+        stream = self._keys.events(request_id)
+
+        async def emit(event: Event) -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+                pipe.expire(stream, EVENTS_TTL_S)
+                await pipe.execute()
+
+        return emit
+
+    async def _ack(self, stream: str, entry_id: bytes) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xack(stream, RedisKeys.GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+    # ---- aborts
+
+    async def _listen_for_aborts(self) -> None:
+        pubsub = self._redis.pubsub()
+        await pubsub.subscribe(self._keys.aborts(self.model))
+        try:
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None and message["type"] == "message":
+                    request_id = message["data"].decode()
+                    if request_id in self.host.live:
+                        self.host.abort(request_id)
+        finally:
+            await pubsub.aclose()
+
+    # ---- heartbeat
+
+    async def _beat(self) -> None:
+        beat = self.host.heartbeat(self.worker_id, self.model)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self._keys.workers(self.model), self.worker_id, encode(beat))
+            pipe.set(self._keys.alive(self.worker_id), 1, px=int(self._ttl_s * 1000))
+            await pipe.execute()
+
+    async def _keep_beating(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                await self._beat()
+            except Exception:  # noqa: BLE001 - a Redis hiccup: the next beat retries
+                logger.exception("heartbeat failed")
+
+    # ---- adopting a dead worker's Submits
+
+    async def _keep_adopting(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                await self.adopt_dead()
+            except Exception:  # noqa: BLE001 - retried at the next beat
+                logger.exception("adopting dead workers' requests failed")
+
+    async def adopt_dead(self) -> None:
+        """Take over the Submits of every worker of this model whose heartbeat expired."""
+        for raw_id in await self._redis.hkeys(self._keys.workers(self.model)):
+            worker_id = raw_id.decode()
+            if worker_id == self.worker_id or await self._redis.exists(self._keys.alive(worker_id)):
+                continue
+            await self._adopt(worker_id)
+
+    async def _adopt(self, dead_id: str) -> None:
+        stream = self._keys.submissions(dead_id)
+        claimed = await self._claim_pending(stream)
+        started = await self._consume_now(stream)
+        if not claimed and not started:
+            pending = await self._redis.xpending(stream, RedisKeys.GROUP)
+            if not pending["pending"] and not await self._redis.xlen(stream):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(stream)
+                    pipe.hdel(self._keys.workers(self.model), dead_id)
+                    await pipe.execute()
+                logger.info("worker %s is gone; its inbox is empty and removed", dead_id)
+
+    async def _claim_pending(self, stream: str) -> int:
+        """Claim the Submits that dead consumers left pending in `stream` (idle for at least one heartbeat TTL);
+        rerun each from the start, or dead-letter it once delivered too often. Entries a live worker holds —
+        this one's included, when it adopted them earlier — are left alone."""
+        min_idle_ms = int(self._ttl_s * 1000)
+        pending = await self._redis.xpending_range(
+            stream, RedisKeys.GROUP, "-", "+", READ_COUNT, idle=min_idle_ms
+        )
+        alive: dict[str, bool] = {self.worker_id: True}
+        orphaned = []
+        for entry in pending:
+            consumer = entry["consumer"].decode()
+            if consumer not in alive:
+                alive[consumer] = bool(await self._redis.exists(self._keys.alive(consumer)))
+            if not alive[consumer]:
+                orphaned.append(entry)
+        for entry in orphaned:
+            entry_id = entry["message_id"]
+            claimed = await self._redis.xclaim(stream, RedisKeys.GROUP, self.worker_id, min_idle_ms, [entry_id])
+            if not claimed or claimed[0][1] is None:  # another worker was first, or the entry is gone
+                continue
+            deliveries = int(entry["times_delivered"]) + 1
+            fields = claimed[0][1]
+            if deliveries > self._max_deliveries:
+                await self._dead_letter(stream, entry_id, fields, deliveries)
+            else:
+                logger.warning("rerunning %s from %s (delivery %d)", entry_id, stream, deliveries)
+                await self._start(stream, entry_id, fields, attempt=deliveries)
+        return len(orphaned)
+
+    async def _consume_now(self, stream: str) -> int:
+        reply = await self._redis.xreadgroup(RedisKeys.GROUP, self.worker_id, {stream: ">"}, count=READ_COUNT)
+        started = 0
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                await self._start(stream, entry_id, fields, attempt=1)
+                started += 1
+        return started
+
+    async def _dead_letter(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
+        """Park the Submit, fail its request with the reason, tell its readers, acknowledge it."""
+        submit = decode_submit(fields[b"m"])
+        reason = f"delivered {deliveries} times; each worker running it stopped before it finished"
+        error = ErrorInfo(ErrorCode.WORKER_LOST, reason)
+        await self._redis.xadd(self._keys.dead_letters(self.model), {"m": fields[b"m"], "reason": reason})
+        failed = FinishedRequest.failed(f"{error.code}: {error.message}")
+        requests, quotas = self.host.requests, self.host.quotas
+        if await requests.finish(submit.request_id, submit.tenant_id, submit.model, failed):
+            await quotas.reconcile(submit.reservation, 0)
+        finished = Finished(attempt=deliveries, status="failed", usage=Usage(), error=error, finished_at=time.time())
+        await self._emitter(submit.request_id)(finished)
+        await self._ack(stream, entry_id)
+        logger.error("dead-lettered request %s: %s", submit.request_id, reason)
