@@ -17,6 +17,7 @@ from litestar.middleware import DefineMiddleware
 
 from pagewise.platform.admin.controllers import AdminController
 from pagewise.platform.admin.workers import list_workers
+from pagewise.platform.dashboard import DASHBOARD_HANDLERS, template_config
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
 from pagewise.platform.engine_client import EngineClient, Transport
@@ -28,6 +29,7 @@ from pagewise.platform.keys.auth import UNGUARDED_PATHS, ApiKeyAuthMiddleware
 from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
 from pagewise.platform.openapi import describe_errors, openapi_config
+from pagewise.platform.paths import data_dir
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.quotas.quota_store import QuotaStore
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
@@ -94,8 +96,7 @@ async def build_transport(
 
 def admin_key_file() -> Path:
     """Where a generated bootstrap admin key is written when there is no terminal to show it on."""
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "pagewise" / "admin-key"
+    return data_dir() / "admin-key"
 
 
 def announce_admin_key(key: str) -> None:
@@ -191,6 +192,7 @@ def create_app(
             KeyController,
             AdminController,
             list_workers,
+            *DASHBOARD_HANDLERS,
         ],
         dependencies={
             "services": Provide(provide_services, sync_to_thread=False),
@@ -205,5 +207,6 @@ def create_app(
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=openapi_config(),
+        template_config=template_config(),
         on_startup=[describe_errors],
     )

@@ -1,7 +1,9 @@
 """`pagewise serve | db upgrade | tenants … | keys …` — registered into the top-level CLI by `register`.
 
-Engine flags on `serve` override `PAGEWISE_*` variables only when given; admin commands work on the configured
-database directly (no server needed).
+Engine flags on `serve` and `--database-url` on every command override `PAGEWISE_*` variables only when given;
+admin commands work on the configured database directly (no server needed). A command that cannot start — a bad
+setting, a database it cannot open, a port already taken — prints one `error: …` line and exits 2 before it
+loads anything slow; a database is only ever printed with its password hidden.
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import re
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pagewise.platform.errors import APIError, invalid_request
+from pagewise.platform.paths import default_database_url, ensure_data_dir
 from pagewise.platform.settings import EngineSettings, Settings, SettingsError
 
 _DURATION = re.compile(r"(\d+)([smhd])")
@@ -30,41 +35,48 @@ _QUOTA_FLAGS = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object."""
+    """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object; each takes `--database-url`."""
     from pagewise.cli import add_engine_arguments
 
-    serve = subparsers.add_parser("serve", help="run the API server with the engine in this process")
+    serve = _command(
+        subparsers, "serve", serve_command, "run the API server (the engine in this process unless --workers-external)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    serve.add_argument(
+        "--workers-external",
+        action="store_true",
+        help="load no model: `pagewise worker` processes run the engine, reached through PAGEWISE_REDIS_URL",
+    )
     add_engine_arguments(serve)
-    serve.set_defaults(func=serve_command, **dict.fromkeys(EngineSettings.__struct_fields__))
+    serve.set_defaults(**dict.fromkeys(EngineSettings.__struct_fields__))
 
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
-    db.add_parser("upgrade", help="apply Alembic migrations up to head").set_defaults(func=db_upgrade_command)
+    _command(db, "upgrade", db_upgrade_command, "apply Alembic migrations up to head")
 
     tenants = subparsers.add_parser("tenants", help="manage tenants").add_subparsers(
         dest="tenants_command", required=True
     )
-    create = tenants.add_parser("create", help="create a tenant")
+    create = _command(tenants, "create", _sync(_tenants_create), "create a tenant")
     create.add_argument("name")
     _add_quota_flags(create)
     _add_weight_flag(create)
-    create.set_defaults(func=_sync(_tenants_create))
-    tenants.add_parser("list", help="list tenants").set_defaults(func=_sync(_tenants_list))
-    update = tenants.add_parser("update", help="change a tenant's quotas, weight or status (-1 = no limit)")
+    _command(tenants, "list", _sync(_tenants_list), "list tenants")
+    update = _command(
+        tenants, "update", _sync(_tenants_update), "change a tenant's quotas, weight or status (-1 = no limit)"
+    )
     update.add_argument("name")
     update.add_argument("--status", choices=["active", "suspended"])
     _add_quota_flags(update)
     _add_weight_flag(update)
-    update.set_defaults(func=_sync(_tenants_update))
 
     keys = subparsers.add_parser("keys", help="manage API keys").add_subparsers(
         dest="keys_command", required=True
     )
-    key_create = keys.add_parser("create", help="create a key and print it (shown once)")
+    key_create = _command(keys, "create", _sync(_keys_create), "create a key and print it (shown once)")
     key_create.add_argument("--tenant", required=True, help="tenant name")
     key_create.add_argument("--scope", action="append", choices=["inference", "admin"], dest="scopes")
     key_create.add_argument("--name", default="")
@@ -73,21 +85,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="when the key stops working: an ISO-8601 date or datetime (UTC unless it has an offset),"
         " or a duration from now such as 30d, 12h or 90m",
     )
-    key_create.set_defaults(func=_sync(_keys_create))
-    key_list = keys.add_parser("list", help="list keys (never their secrets) with their status and expiry")
+    key_list = _command(
+        keys, "list", _sync(_keys_list), "list keys (never their secrets) with their status and expiry"
+    )
     key_list.add_argument("--tenant", help="tenant name")
-    key_list.set_defaults(func=_sync(_keys_list))
-    revoke = keys.add_parser("revoke", help="revoke a key by id")
+    revoke = _command(keys, "revoke", _sync(_keys_revoke), "revoke a key by id")
     revoke.add_argument("key_id")
-    revoke.set_defaults(func=_sync(_keys_revoke))
-    rotate = keys.add_parser("rotate", help="replace a key by a new one (printed once) with its name and scopes")
+    rotate = _command(
+        keys, "rotate", _sync(_keys_rotate), "replace a key by a new one (printed once) with its name and scopes"
+    )
     rotate.add_argument("key_id")
     rotate.add_argument(
         "--grace-period",
         default="0",
         help="how long the old key keeps working, e.g. 30m or 1h (default 0: revoked at once; at most 7d)",
     )
-    rotate.set_defaults(func=_sync(_keys_rotate))
+
+
+def _command(
+    group: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int], help_text: str
+) -> argparse.ArgumentParser:
+    """A subcommand that runs `func` and, like every command here, takes `--database-url`."""
+    parser = group.add_parser(name, help=help_text)
+    add_database_url_argument(parser)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def add_database_url_argument(parser: argparse.ArgumentParser) -> None:
+    """`--database-url`: wins over `PAGEWISE_DATABASE_URL`, whose default is the per-user embedded database."""
+    parser.add_argument(
+        "--database-url",
+        help=f"the database (default: PAGEWISE_DATABASE_URL, else {default_database_url()})",
+    )
 
 
 def _add_quota_flags(parser: argparse.ArgumentParser) -> None:
@@ -101,28 +131,92 @@ def _add_weight_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _settings(args: argparse.Namespace | None = None) -> Settings:
-    engine = {f: getattr(args, f, None) for f in EngineSettings.__struct_fields__} if args else {}
-    return Settings.from_env(engine=engine)
+class StartupError(Exception):
+    """A command cannot start; its message is the one line printed after `error: `."""
 
 
+_STARTUP_ERRORS = (StartupError, SettingsError)
+STARTUP_ERROR_EXIT_STATUS = 2
 ENGINE_DIED_EXIT_STATUS = 3
 
 
+def _exits_2_on_startup_error(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """One `error: …` line on stderr and exit status 2 for a command that cannot start, never a traceback."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except _STARTUP_ERRORS as error:
+            print(f"error: {error}", file=sys.stderr)
+            return STARTUP_ERROR_EXIT_STATUS
+
+    return run
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The environment's settings with the flags that were given on top."""
+    engine = {f: getattr(args, f, None) for f in EngineSettings.__struct_fields__}
+    return Settings.from_env(
+        engine=engine,
+        database_url=args.database_url,
+        engine_mode="redis" if getattr(args, "workers_external", False) else None,
+    )
+
+
+def _open_database(url: str) -> None:
+    """Fail fast on a database that cannot be opened; the default embedded database's directory is created."""
+    from pagewise.platform.db.session import DatabaseUnreachableError, check_database
+
+    if url == default_database_url():
+        ensure_data_dir()
+    try:
+        asyncio.run(check_database(url))
+    except DatabaseUnreachableError as error:
+        raise StartupError(str(error)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind `host:port` exactly as uvicorn will (its address family, SO_REUSEADDR) and let it go: a taken port
+    fails before the model loads. Another process may still take it in between; uvicorn then says so."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise StartupError(f"cannot listen on {host}:{port}: {reason} (choose another with --port)") from None
+
+
+def _check_engine(settings: Settings) -> None:
+    """Validate the engine flags and find the model before loading it (imports torch: only where this process
+    runs the engine)."""
+    from pagewise.engine.config import EngineConfig
+    from pagewise.engine.errors import InvalidConfigError
+    from pagewise.engine.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        EngineConfig(**settings.engine.engine_kwargs())
+        resolve_model_path(settings.engine.model)
+    except (InvalidConfigError, ModelNotFoundError) as error:
+        raise StartupError(str(error)) from None
+
+
+@_exits_2_on_startup_error
 def serve_command(args: argparse.Namespace) -> int:
     """Serve until stopped; exit status 3 when the server stopped because its engine died (restart it)."""
     import uvicorn
 
-    from pagewise.engine.config import EngineConfig
-    from pagewise.engine.errors import InvalidConfigError
     from pagewise.platform.app import create_app
+    from pagewise.platform.db.session import redacted_url
 
-    try:
-        settings = _settings(args)
-        EngineConfig(**settings.engine.engine_kwargs())  # validate before loading anything
-    except (SettingsError, InvalidConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    settings = _settings(args)
+    _check_port_free(args.host, args.port)
+    _open_database(settings.database_url)
+    print(f"pagewise: database {redacted_url(settings.database_url)}", file=sys.stderr)
+    if not args.workers_external:
+        _check_engine(settings)
     config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level, server_header=False)
     server = uvicorn.Server(config)
 
@@ -138,16 +232,15 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+@_exits_2_on_startup_error
 def db_upgrade_command(args: argparse.Namespace) -> int:
     from pagewise.platform.db.migrate import upgrade_head
+    from pagewise.platform.db.session import redacted_url
 
-    try:
-        settings = _settings()
-    except SettingsError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    settings = _settings(args)
+    _open_database(settings.database_url)
     upgrade_head(settings.database_url)
-    print(f"database at {settings.database_url} is at the latest revision")
+    print(f"database {redacted_url(settings.database_url)} is at the latest revision")
     return 0
 
 
@@ -156,15 +249,13 @@ def _sync(
 ) -> Callable[[argparse.Namespace], int]:
     """Run an admin command in a session on the configured (migrated) database; API errors exit 1."""
 
+    @_exits_2_on_startup_error
     def run(args: argparse.Namespace) -> int:
         from pagewise.platform.db.migrate import upgrade_head
         from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 
-        try:
-            settings = _settings()
-        except SettingsError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+        settings = _settings(args)
+        _open_database(settings.database_url)
         upgrade_head(settings.database_url)
 
         async def main() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
+from pagewise.platform.paths import default_database_url
 from pagewise.platform.quotas.quota_store import DEFAULT_LEASE_S
 
-DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///pagewise.db"
 _SUPPORTED_DRIVERS = ("sqlite+aiosqlite", "postgresql+asyncpg")
 _POSITIVE_ENGINE_FLAGS = (
     "max_model_len",
@@ -53,7 +53,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the service reads from its environment. Built by `Settings.from_env`."""
 
-    database_url: str = DEFAULT_DATABASE_URL
+    database_url: str = msgspec.field(default_factory=default_database_url)  # the per-user embedded database
     redis_url: str | None = None
     redis_key_prefix: str = "pagewise:"
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pagewise.platform.settings import DEFAULT_DATABASE_URL, Settings, SettingsError
+from pagewise.platform.paths import default_database_url
+from pagewise.platform.settings import Settings, SettingsError
 
 
 def test_defaults_are_embedded_mode() -> None:
     settings = Settings.from_env({})
-    assert settings.database_url == DEFAULT_DATABASE_URL and settings.is_embedded
+    assert settings.database_url == default_database_url() and settings.is_embedded
     assert settings.engine.engine_kwargs() == {"model": "smollm2-135m-instruct", "scheduling_policy": "fair"}
 
 

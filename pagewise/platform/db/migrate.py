@@ -1,4 +1,9 @@
-"""Run the Alembic migrations in `migrations/` — the only way the schema is created."""
+"""Run the Alembic migrations shipped inside this package (`db/migrations/`) — the only way the schema is created.
+
+The configuration is built in code, not read from `alembic.ini`, so an installed wheel or an image migrates
+exactly like a checkout; `alembic.ini` at the repository root points the `alembic` command at the same folder
+for developers (`alembic revision --autogenerate`).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,13 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
-    """`alembic.ini` at the repository root, pointed at `database_url`."""
-    config = Config(str(REPO_ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    """An Alembic configuration for the packaged migrations, pointed at `database_url`."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     return config
 

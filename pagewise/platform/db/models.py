@@ -1,4 +1,4 @@
-"""The schema. Alembic migrations (`migrations/`) create it; a test proves they match these models exactly."""
+"""The schema. Alembic migrations (`db/migrations/`) create it; a test proves they match these models exactly."""
 
 from __future__ import annotations
 

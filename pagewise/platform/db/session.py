@@ -1,15 +1,29 @@
-"""Database engine and session factory; the per-request session is provided by dependency injection."""
+"""Database engine and session factory; the per-request session is provided by dependency injection.
+
+Anything printed about a database names it by `redacted_url`: its password never reaches a terminal or a log.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from collections.abc import AsyncGenerator
+from contextlib import closing
+from pathlib import Path
 from typing import Any, TypeAlias
 
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
-from sqlalchemy import event
+from sqlalchemy import event, make_url, text
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class DatabaseUnreachableError(ConnectionError):
+    """The database cannot be opened. The message is one line naming the URL (password hidden) and the cause."""
 
 
 def create_db_engine(url: str) -> AsyncEngine:
@@ -29,6 +43,50 @@ def create_db_engine(url: str) -> AsyncEngine:
 
         return engine
     return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, hide_parameters=True)
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password shown as `***`; a URL SQLAlchemy cannot parse is reduced to its scheme."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return f"{url.split('://', 1)[0]}://…"
+
+
+async def check_database(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Open one connection and run `SELECT 1`, or raise `DatabaseUnreachableError`. Changes nothing, except that
+    SQLite creates an empty file when its directory exists (as the first migration would)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        _check_sqlite(url, parsed.database or "")
+        return
+    engine = create_db_engine(url)
+    try:
+        async with asyncio.timeout(timeout_s), engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+    except TimeoutError:
+        raise _unreachable(url, f"no answer within {timeout_s:g} s") from None
+    except (DBAPIError, OSError) as error:
+        cause = error.orig if isinstance(error, DBAPIError) else error
+        raise _unreachable(url, str(cause) or type(cause).__name__) from None
+    finally:
+        await engine.dispose()
+
+
+def _check_sqlite(url: str, database: str) -> None:
+    """With the standard library's driver: a failed aiosqlite connect leaves a thread that prints a traceback."""
+    directory = Path(database).absolute().parent
+    if database not in ("", ":memory:") and not directory.is_dir():
+        raise _unreachable(url, f"the directory {directory} does not exist")
+    try:
+        with closing(sqlite3.connect(database or ":memory:")) as connection:
+            connection.execute("SELECT 1")
+    except sqlite3.Error as error:
+        raise _unreachable(url, str(error)) from None
+
+
+def _unreachable(url: str, cause: str) -> DatabaseUnreachableError:
+    return DatabaseUnreachableError(f"cannot open the database {redacted_url(url)}: {' '.join(cause.split())}")
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
