@@ -6,7 +6,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, throughput
 from pagewise.platform import cli as platform_cli
 from pagewise.worker import cli as worker_cli
 
@@ -73,7 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line. `with_bench=False` leaves out the benchmarks' own flags: they import torch, which
+    `pagewise serve --workers-external` (an API replica) and the admin commands never need."""
     parser = argparse.ArgumentParser(prog="pagewise", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate completions for prompts")
@@ -85,15 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
-        module.register(bench)
+    if with_bench:
+        from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, throughput
+
+        for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
+            module.register(bench)
     platform_cli.register(commands)
     worker_cli.register(commands, add_engine_arguments)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(with_bench="bench" in argv[:1]).parse_args(argv)
     return int(args.func(args) or 0)
 
 

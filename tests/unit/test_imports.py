@@ -1,4 +1,5 @@
-"""An API process loads no model code: importing the platform (or `pagewise` itself) must not import torch."""
+"""An API process loads no model code: importing the platform, the protocol, the Redis transport or the command
+line of an API replica (`pagewise serve --workers-external`) must not import torch."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["pagewise", "pagewise.platform", "pagewise.platform.app"])
+@pytest.mark.parametrize(
+    "module",
+    ["pagewise", "pagewise.platform", "pagewise.platform.app", "pagewise.protocol", "pagewise.platform.transports.redis"],
+)
 def test_importing_does_not_load_torch(module: str) -> None:
     probe = f"import sys, {module}; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_command_line_without_benchmarks_does_not_load_torch() -> None:
+    probe = (
+        "import sys; from pagewise.cli import build_parser; "
+        "build_parser(with_bench=False).parse_args(['serve', '--workers-external']); print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False", done.stderr
 
