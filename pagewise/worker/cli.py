@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from pagewise.platform.cli import add_database_url_argument
+
 ENGINE_DIED_EXIT_STATUS = 3
 STARTUP_ERROR_EXIT_STATUS = 2
 logger = logging.getLogger("pagewise.worker")
@@ -26,24 +28,45 @@ def register(subparsers: argparse._SubParsersAction, add_engine_arguments: Calla
     worker.add_argument("--worker-id", help="a stable name for this worker (default: <host>-<random>)")
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: none)")
     worker.add_argument("--metrics-host", default="0.0.0.0", help="the metrics port's address (default: 0.0.0.0)")
+    add_database_url_argument(worker)
     add_engine_arguments(worker)
     worker.set_defaults(func=worker_command)
 
 
 def worker_command(args: argparse.Namespace) -> int:
     from pagewise.engine.config import EngineConfig
+    from pagewise.platform.db.session import DatabaseUnreachableError, check_database
     from pagewise.platform.settings import Settings, SettingsError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_flags = {f.name: getattr(args, f.name, None) for f in fields(EngineConfig)}
     try:
-        settings = Settings.from_env(engine=engine_flags)
+        settings = Settings.from_env(engine=engine_flags, database_url=args.database_url)
         if settings.redis_url is None:
             raise SettingsError("pagewise worker needs PAGEWISE_REDIS_URL (the Redis its API replicas use)")
-    except SettingsError as error:
+        asyncio.run(check_database(settings.database_url))
+        asyncio.run(_check_redis(settings.redis_url))
+    except (SettingsError, DatabaseUnreachableError, RedisUnreachableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return STARTUP_ERROR_EXIT_STATUS
     return asyncio.run(_serve(settings, args))
+
+
+class RedisUnreachableError(ConnectionError):
+    """Redis does not answer; the message is one line naming the URL (password hidden)."""
+
+
+async def _check_redis(url: str) -> None:
+    import redis.asyncio as redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    try:
+        await client.ping()
+    except (redis.RedisError, OSError) as error:
+        shown = url.split("@")[-1] if "@" in url else url.split("://", 1)[-1]
+        raise RedisUnreachableError(f"cannot reach Redis at {shown}: {error}") from None
+    finally:
+        await client.aclose()
 
 
 async def _serve(settings: Any, args: argparse.Namespace) -> int:

@@ -29,7 +29,10 @@ LAST_USED_RESOLUTION = dt.timedelta(
     minutes=1
 )  # last_used_at is refreshed at most this often (no write per call)
 PUBLIC_PATHS = ("/health", "/ready", "/schema")  # no credentials at all
-SELF_AUTHENTICATED_PATHS = ("/metrics",)  # runs `authorize_metrics` itself: its metrics token is not an API key
+DASHBOARD_PATH = "/admin/ui"  # the admin dashboard, signed in with an admin key into a session cookie
+# routes that check their own credentials: `/metrics` its metrics token (`authorize_metrics`), the dashboard its
+# session (`dashboard/access.py`)
+SELF_AUTHENTICATED_PATHS = ("/metrics", DASHBOARD_PATH)
 UNGUARDED_PATHS = PUBLIC_PATHS + SELF_AUTHENTICATED_PATHS  # what the key middleware skips
 
 

@@ -1,0 +1,86 @@
+"""Tenants: list, create, edit name, quotas and weight, suspend and reactivate — through `TenantService`, so the
+dashboard refuses exactly what the API refuses (bounds, duplicate names, suspending the last admin tenant)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from urllib.parse import quote
+
+from litestar import Controller, Request, get, post
+from litestar.params import FromPath
+from litestar.response import Redirect, Template
+
+from pagewise.platform.dashboard.access import Admin
+from pagewise.platform.dashboard.forms import SCOPES, tenant_create, tenant_status, tenant_update
+from pagewise.platform.dashboard.key_usage import usage_by_key
+from pagewise.platform.dashboard.pages import back, refused, render
+from pagewise.platform.db.session import DbSession
+from pagewise.platform.errors import APIError
+from pagewise.platform.keys.service import KeyService, key_out
+from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate
+from pagewise.platform.tenants.service import TenantService
+
+KEY_USAGE_WINDOW = dt.timedelta(days=30)
+QUOTA_LABELS = {field: field.replace("_", " ").capitalize() for field in QUOTA_BOUNDS}  # form order and labels
+
+
+class TenantPages(Controller):
+    path = "/tenants"
+
+    @get("/")
+    async def list_tenants(self, request: Request, admin: Admin, db_session: DbSession) -> Template:
+        return await render(
+            request,
+            admin,
+            "tenants.html",
+            page="tenants",
+            tenants=await TenantService(db_session).list(),
+            defaults=TenantCreate(name=""),
+            quota_labels=QUOTA_LABELS,
+        )
+
+    @post("/")
+    async def create(self, request: Request, admin: Admin, db_session: DbSession) -> Redirect:
+        try:
+            tenant = await TenantService(db_session).create(tenant_create(await request.form()))
+        except APIError as error:
+            return await refused(request, admin, "/tenants", error)
+        return await back(request, admin, f"/tenants/{quote(tenant.id, safe='')}", f"Created tenant {tenant.name}.")
+
+    @get("/{tenant_id:str}")
+    async def show(self, request: Request, admin: Admin, db_session: DbSession, tenant_id: FromPath[str]) -> Template:
+        tenant = await TenantService(db_session).get(tenant_id)
+        keys = [key_out(k) for k in await KeyService(db_session).list(tenant_id)]
+        since = dt.datetime.now(dt.UTC) - KEY_USAGE_WINDOW
+        return await render(
+            request,
+            admin,
+            "tenant.html",
+            page="tenants",
+            tenant=tenant,
+            keys=keys,
+            usage=await usage_by_key(db_session, since, tenant_id=tenant_id),
+            usage_days=KEY_USAGE_WINDOW.days,
+            quota_labels=QUOTA_LABELS,
+            scopes=SCOPES,
+        )
+
+    @post("/{tenant_id:str}")
+    async def update(self, request: Request, admin: Admin, db_session: DbSession, tenant_id: FromPath[str]) -> Redirect:
+        here = f"/tenants/{quote(tenant_id, safe='')}"
+        try:
+            tenant = await TenantService(db_session).update(tenant_id, tenant_update(await request.form()))
+        except APIError as error:
+            return await refused(request, admin, here, error)
+        return await back(request, admin, here, f"Saved tenant {tenant.name}.")
+
+    @post("/{tenant_id:str}/status")
+    async def set_status(
+        self, request: Request, admin: Admin, db_session: DbSession, tenant_id: FromPath[str]
+    ) -> Redirect:
+        here = f"/tenants/{quote(tenant_id, safe='')}"
+        try:
+            tenant = await TenantService(db_session).update(tenant_id, tenant_status(await request.form()))
+        except APIError as error:
+            return await refused(request, admin, here, error)
+        return await back(request, admin, here, f"Tenant {tenant.name} is {tenant.status}.")

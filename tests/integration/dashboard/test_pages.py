@@ -1,0 +1,175 @@
+"""The dashboard over HTTP (ASGI, both databases): who may sign in, CSRF, sessions, forms, CSV, and `/schema`
+working offline. The browser journey is `test_browser.py`."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import httpx
+import pytest
+
+from pagewise.platform.dashboard.controllers.login import NOT_ADMIN
+
+from ..harness import MODEL, Platform, bearer
+from .conftest import UI, csrf_token, sign_in
+
+pytestmark = pytest.mark.anyio
+
+
+async def _client(platform: Platform) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=platform.app), base_url="http://test", timeout=60)
+
+
+async def test_only_an_admin_key_signs_in(platform: Platform) -> None:
+    tenant, inference_key = await platform.tenant_with_key()
+    async with await _client(platform) as http:
+        refused = await sign_in(http, inference_key)
+        assert refused.status_code == 403 and NOT_ADMIN in refused.text
+        unknown = await sign_in(http, "pw_000000000000_nope")
+        assert unknown.status_code == 401 and "Incorrect API key provided" in unknown.text
+        assert "pagewise_session" not in http.cookies
+        assert (await http.get(f"{UI}/tenants")).headers["location"] == f"{UI}/login"
+        form = await http.get(f"{UI}/login")
+        tokenless = await http.post(f"{UI}/login", data={"api_key": platform.admin_key})
+        assert tokenless.status_code == 403 and "pagewise_session" not in http.cookies
+
+        signed_in = await sign_in(http, platform.admin_key)
+        assert signed_in.status_code == 303, signed_in.text
+        [cookie] = [c for c in signed_in.headers.get_list("set-cookie") if c.startswith("pagewise_session=")]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/admin/ui" in cookie
+        assert platform.admin_key.split("_", 2)[2] not in cookie  # the cookie is a session id, not the key
+        page = await http.get(f"{UI}/tenants")
+        assert page.status_code == 200 and tenant["name"] in page.text
+        assert page.headers["cache-control"] == "no-store"
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert form.headers["x-frame-options"] == "DENY"
+
+
+async def test_a_post_without_the_csrf_token_is_refused_and_changes_nothing(
+    platform: Platform, admin_browser: httpx.AsyncClient
+) -> None:
+    tenant = await platform.create_tenant()
+    form = {"name": tenant["name"], "weight": "5", "requests_per_minute": "7"}
+    for token in (None, "forged"):
+        body = form if token is None else {**form, "csrf_token": token}
+        refused = await admin_browser.post(f"{UI}/tenants/{tenant['id']}", data=body)
+        assert refused.status_code == 403 and "CSRF token" in refused.text
+    stored = (await platform.http.get(f"/admin/tenants/{tenant['id']}", headers=bearer(platform.admin_key))).json()
+    assert (stored["weight"], stored["requests_per_minute"]) == (tenant["weight"], tenant["requests_per_minute"])
+
+    token = csrf_token((await admin_browser.get(f"{UI}/tenants/{tenant['id']}")).text)
+    saved = await admin_browser.post(f"{UI}/tenants/{tenant['id']}", data={**form, "csrf_token": token})
+    assert saved.status_code == 303
+    stored = (await platform.http.get(f"/admin/tenants/{tenant['id']}", headers=bearer(platform.admin_key))).json()
+    assert (stored["weight"], stored["requests_per_minute"], stored["tokens_per_minute"]) == (5.0, 7, None)
+
+
+async def test_bad_form_input_shows_its_error_and_changes_nothing(
+    platform: Platform, admin_browser: httpx.AsyncClient
+) -> None:
+    tenant = await platform.create_tenant()
+    page = f"{UI}/tenants/{tenant['id']}"
+    for field, value, message in (
+        ("requests_per_minute", "lots", "requests_per_minute must be a whole number; got &#39;lots&#39;"),
+        ("max_n", "0", "max_n must be between 1 and 2,147,483,647"),
+        ("weight", "nan", "weight must be a finite number above 0"),
+    ):
+        token = csrf_token((await admin_browser.get(page)).text)
+        form = {"csrf_token": token, "name": tenant["name"], "weight": "1", field: value}
+        answer = await admin_browser.post(page, data=form)
+        assert answer.status_code == 303 and answer.headers["location"] == page
+        shown = (await admin_browser.get(page)).text
+        assert message in shown, shown
+    stored = (await platform.http.get(f"/admin/tenants/{tenant['id']}", headers=bearer(platform.admin_key))).json()
+    assert stored == tenant
+
+
+async def test_a_session_ends_with_logout_and_with_its_key(platform: Platform) -> None:
+    tenant = await platform.create_tenant()
+    created = await platform.http.post(
+        f"/admin/tenants/{tenant['id']}/keys", json={"scopes": ["admin"]}, headers=bearer(platform.admin_key)
+    )
+    key = created.json()
+    async with await _client(platform) as http:
+        assert (await sign_in(http, key["key"])).status_code == 303
+        overview = await http.get(f"{UI}/")
+        assert overview.status_code == 200
+        session = http.cookies["pagewise_session"]
+        out = await http.post(f"{UI}/logout", data={"csrf_token": csrf_token(overview.text)})
+        assert out.status_code == 303 and out.headers["location"] == f"{UI}/login"
+        http.cookies.set("pagewise_session", session, domain="test", path=UI)  # a copy kept from before
+        assert (await http.get(f"{UI}/")).headers["location"] == f"{UI}/login"  # deleted on the server too
+
+        assert (await sign_in(http, key["key"])).status_code == 303
+        assert (await http.get(f"{UI}/")).status_code == 200
+        revoked = await platform.http.delete(
+            f"/admin/tenants/{tenant['id']}/keys/{key['id']}", headers=bearer(platform.admin_key)
+        )
+        assert revoked.status_code == 200
+        assert (await http.get(f"{UI}/")).headers["location"] == f"{UI}/login"
+
+
+async def test_usage_csv_and_key_usage_count_a_request(platform: Platform, admin_browser: httpx.AsyncClient) -> None:
+    tenant, key = await platform.tenant_with_key()
+    done = await platform.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=bearer(key)
+    )
+    assert done.status_code == 200, done.text
+    download = await admin_browser.get(f"{UI}/usage.csv", params={"group_by": "tenant_id", "tenant_id": tenant["id"]})
+    assert download.status_code == 200 and download.headers["content-type"].startswith("text/csv")
+    assert download.headers["content-disposition"].startswith('attachment; filename="pagewise-usage-1d-')
+    [row] = list(csv.DictReader(io.StringIO(download.text)))
+    usage = done.json()["usage"]
+    assert (row["tenant_id"], int(row["num_model_requests"])) == (tenant["id"], 1)
+    assert (int(row["input_tokens"]), int(row["output_tokens"])) == (usage["prompt_tokens"], usage["completion_tokens"])
+
+    page = (await admin_browser.get(f"{UI}/tenants/{tenant['id']}")).text
+    [key_row] = [part for part in page.split("<tr ")[1:] if "data-key-id" in part]
+    assert '<td class="num">1</td>' in key_row  # the key's one request over 30 days
+    bad = await admin_browser.get(f"{UI}/usage", params={"range": "forever"})
+    assert bad.status_code == 400 and "range must be one of short, medium, long" in bad.text
+
+
+async def test_schema_page_loads_nothing_from_another_host(platform: Platform) -> None:
+    page = await platform.http.get("/schema")
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    assert "https://" not in page.text.split("<body>")[0] and "cdn." not in page.text
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "swagger-ui-standalone-preset.js", "favicon-32x32.png"):
+        assert (await platform.http.get(f"/schema/assets/{asset}")).status_code == 200, asset
+
+
+async def test_rotate_suspend_and_find_by_id(platform: Platform, admin_browser: httpx.AsyncClient) -> None:
+    tenant, key = await platform.tenant_with_key()
+    page = f"{UI}/tenants/{tenant['id']}"
+    listed = (await platform.http.get(f"/admin/tenants/{tenant['id']}/keys", headers=bearer(platform.admin_key))).json()
+    [old] = listed
+    token = csrf_token((await admin_browser.get(page)).text)
+    rotated = await admin_browser.post(
+        f"{page}/keys/{old['id']}/rotate", data={"csrf_token": token, "from": "tenant", "grace_period_s": "0"}
+    )
+    assert rotated.status_code == 200 and rotated.headers["cache-control"] == "no-store"
+    new_key = rotated.text.split('id="new-key" readonly value="')[1].split('"')[0]
+    assert (await platform.http.get("/v1/models", headers=bearer(key))).status_code == 401
+    assert (await platform.http.get("/v1/models", headers=bearer(new_key))).status_code == 200
+
+    suspended = await admin_browser.post(f"{page}/status", data={"csrf_token": token, "status": "suspended"})
+    assert suspended.status_code == 303
+    assert (await platform.http.get("/v1/models", headers=bearer(new_key))).status_code == 403
+    assert f"Tenant {tenant['name']} is suspended." in (await admin_browser.get(page)).text
+    await admin_browser.post(f"{page}/status", data={"csrf_token": token, "status": "active"})
+    assert (await platform.http.get("/v1/models", headers=bearer(new_key))).status_code == 200
+
+    done = await platform.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, headers=bearer(new_key)
+    )
+    found = await admin_browser.get(f"{UI}/requests", params={"id": done.json()["id"]})
+    assert found.headers["location"] == f"{UI}/requests/{done.json()['id']}"
+    detail = await admin_browser.get(found.headers["location"])
+    assert detail.status_code == 200 and tenant["name"] in detail.text and "Time to first token" in detail.text
+    missing = await admin_browser.get(f"{UI}/requests", params={"id": "cmpl_nope"})
+    assert missing.status_code == 200 and "No request found with id 'cmpl_nope'" in missing.text
+    hourly = await admin_browser.get(f"{UI}/usage", params={"bucket_width": "1h", "range": "long", "group_by": "model"})
+    assert hourly.status_code == 200 and "last 168 hours" in hourly.text and MODEL in hourly.text
+    bad_time = await admin_browser.get(f"{UI}/requests", params={"since": "yesterday"})
+    assert bad_time.status_code == 400 and "since must be a time like" in bad_time.text
