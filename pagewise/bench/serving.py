@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pagewise.bench._common import progress as log
+from pagewise.bench.distributed import prefix_affinity, queue_hop
 from pagewise.bench.local_server import local_server
 
 DEFAULT_NUM_REQUESTS = 32
@@ -93,6 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help="for the server this starts and the engine"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="start the distributed stack (API + N pagewise workers on Redis) instead of the embedded server; "
+        "adds the queue hop and, with N >= 2, the prefix-affinity comparison",
     )
     parser.set_defaults(func=run)
 
@@ -174,12 +182,20 @@ class Progress:
 
 
 @contextmanager
-def bench_server(model: str, max_model_len: int) -> Iterator[tuple[str, str]]:
-    """Start ``pagewise serve`` on a free port with a fresh SQLite database; yield (base URL, admin key)."""
+def bench_server(model: str, max_model_len: int, workers: int = 0) -> Iterator[tuple[str, str]]:
+    """Start ``pagewise serve`` on a free port with a fresh SQLite database — or, with ``workers``, the distributed
+    stack on it — and yield (base URL, admin key)."""
+    from pagewise.bench.distributed import migrated_sqlite
+    from pagewise.bench.stack import distributed_stack
+
     with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
+        engine_args = ["--model", model, "--max-model-len", str(max_model_len)]
+        if workers:
+            with distributed_stack(Path(tmp), migrated_sqlite(Path(tmp)), engine_args, workers=workers) as stack:
+                yield stack.api.base, stack.api.admin_key
+            return
         database_url = f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"
-        args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level", "warning"]
-        with local_server(Path(tmp), database_url, args) as server:
+        with local_server(Path(tmp), database_url, [*engine_args, "--log-level", "warning"]) as server:
             yield server.base, server.admin_key
 
 
@@ -433,6 +449,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--duration must be a positive number of seconds, got {args.duration:g}"
     if args.overhead_requests < 0:
         return "--overhead-requests must not be negative"
+    if args.workers < 0 or (args.workers and args.url):
+        return "--workers must be >= 0, and cannot be combined with --url"
     if args.url and not (args.api_key or args.admin_key):
         return "--url needs --api-key (or PAGEWISE_API_KEY) or --admin-key"
     return None
@@ -457,6 +475,12 @@ def run(args: argparse.Namespace) -> int:
             result: dict[str, Any] = {"url": args.url or "local", "model": model, **load}
             if engine is not None:
                 result.update(asyncio.run(run_overhead(base, key, model, engine, args.overhead_requests)))
+            result.update(asyncio.run(queue_hop(base, key, model)))
+        result["workers"] = args.workers
+        if args.workers >= 2:
+            with tempfile.TemporaryDirectory(prefix="pagewise-bench-affinity-") as tmp:
+                engine_args = ["--model", args.model, "--max-model-len", str(args.max_model_len)]
+                result.update(prefix_affinity(Path(tmp), engine_args, args.workers, model))
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -478,8 +502,9 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         base = args.url.rstrip("/")
         yield base, args.api_key or create_inference_key(base, args.admin_key)
         return
-    log(f"starting pagewise serve ({args.model}, max_model_len {args.max_model_len})")
-    with bench_server(args.model, args.max_model_len) as (base, admin_key):
+    where = f"with {args.workers} workers" if args.workers else "embedded"
+    log(f"starting pagewise serve {where} ({args.model}, max_model_len {args.max_model_len})")
+    with bench_server(args.model, args.max_model_len, args.workers) as (base, admin_key):
         log(f"server ready at {base}")
         yield base, create_inference_key(base, admin_key)
 
@@ -507,6 +532,15 @@ def _print_table(result: dict[str, Any]) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         values = ", ".join(f"p{q} {result[f'{name}_p{q}_ms']:.1f}" for q in (50, 90, 99))
         rows.append((f"{name.upper()} (ms)", f"mean {result[f'{name}_mean_ms']:.1f}, {values}"))
+    if "queue_hop_p50_ms" in result:
+        rows.append(("queue hop (ms)", f"p50 {result['queue_hop_p50_ms']:.2f}, p99 {result['queue_hop_p99_ms']:.2f}"))
+    if "cached_token_ratio" in result:
+        rows.append(
+            (
+                f"cached tokens, {result['workers']} workers / 1",
+                f"{result['cached_token_ratio']:.3f} with affinity, {result['cached_token_ratio_blind']:.3f} blind",
+            )
+        )
     if "overhead_p50_ms" in result:
         rows.append(
             (

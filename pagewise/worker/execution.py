@@ -178,8 +178,9 @@ class Execution:
             return
         if self._first_token_at is None and any(c.token_ids for c in choices):
             self._first_token_at = time.time()
-            started, first = _utc(self._started_at), _utc(self._first_token_at)
-            self._spawn(self._requests.mark_running(self.request_id, started, first))
+            if not output.finished:  # a request done at its first token goes straight to its final write
+                started, first = _utc(self._started_at), _utc(self._first_token_at)
+                self._spawn(self._requests.mark_running(self.request_id, started, first))
         reached = [p for p in self._prompts if p.reached_engine]
         await self._emit(
             Delta(

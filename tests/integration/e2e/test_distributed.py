@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +24,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from pagewise.bench.local_server import local_server
+from pagewise.bench.stack import distributed_stack
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker
@@ -44,44 +41,16 @@ SHARED = [f"Shared prompt {i}: the quick brown fox jumps over the lazy dog near 
 OWN = "Repeated prompt of one tenant: paged attention keeps the KV cache in blocks of sixteen tokens each"
 
 
-def _start_worker(model: Path, worker_id: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagewise.cli", "worker", "--model", str(model), "--worker-id", worker_id,
-            "--max-model-len", str(MAX_MODEL_LEN)]
-    with log.open("w") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
 @pytest.fixture
-def stack(tmp_path: Path, tiny_model: Callable, fresh_database: Callable[[str], str], redis_key_prefix: str
-          ) -> Iterator[dict[str, Any]]:
+def stack(tmp_path: Path, tiny_model: Callable, fresh_database: Callable[[str], str]) -> Iterator[dict[str, Any]]:
     model, _ = tiny_model("distributed")
     database_url = fresh_database("postgres")
     upgrade_head(database_url)
-    env = {
-        **os.environ,
-        "PAGEWISE_DATABASE_URL": database_url,
-        "PAGEWISE_REDIS_URL": REDIS_URL,
-        "PAGEWISE_REDIS_KEY_PREFIX": redis_key_prefix,
-        "PAGEWISE_WORKER_HEARTBEAT_S": str(HEARTBEAT_S),
-        "PAGEWISE_QUOTA_LEASE_S": "30",
-    }
-    workers = {w: _start_worker(model, w, env, tmp_path / f"{w}.log") for w in ("wa", "wb")}
-    api_env = {k: v for k, v in env.items() if k.startswith("PAGEWISE_")} | {
-        "PAGEWISE_MODEL": str(model), "PAGEWISE_AUTO_MIGRATE": "false",
-    }
-    try:
-        with local_server(tmp_path, database_url, ["--workers-external"], env=api_env) as api:
-            yield {"api": api, "workers": workers, "model": model, "database_url": database_url,
-                   "prefix": redis_key_prefix, "logs": tmp_path}
-    finally:
-        for process in workers.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in workers.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    env = {"PAGEWISE_WORKER_HEARTBEAT_S": str(HEARTBEAT_S), "PAGEWISE_QUOTA_LEASE_S": "30"}
+    engine_args = ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN)]
+    with distributed_stack(tmp_path, database_url, engine_args, workers=2, redis_url=REDIS_URL, env=env) as running:
+        yield {"api": running.api, "workers": running.workers, "model": model, "database_url": database_url,
+               "prefix": running.key_prefix, "logs": tmp_path}
 
 
 async def _tenant(http: httpx.AsyncClient, admin: str, name: str) -> tuple[str, str]:
@@ -211,6 +180,8 @@ async def test_two_workers_one_killed_mid_flight(stack: dict[str, Any]) -> None:
         assert (await quotas.usage(tid)).concurrent == 0
     await quotas.close()
     assert state["running"] == 0 and state["waiting"] == 0 and state["kv_usage"] == 0.0
+    survivor_log = (stack["logs"] / f"worker-{survivor}.log").read_text()
+    assert f"worker {victim} is gone" in survivor_log  # it adopted the dead worker's inbox
 
     # no cross-tenant prefix hit: a prompt a tenant sent once was never served from cache
     once = [rows[r["id"]] for item, r in zip(plan, results, strict=True) if item["once"]]
