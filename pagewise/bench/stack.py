@@ -29,6 +29,7 @@ class Stack:
     workers: dict[str, subprocess.Popen]
     redis_url: str
     key_prefix: str
+    api_env: dict[str, str]  # what another API replica of this stack needs (`local_server(..., env=api_env)`)
 
 
 def start_worker(worker_id: str, args: Sequence[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
@@ -70,7 +71,7 @@ def distributed_stack(
     try:
         with local_server(workdir, database_url, ["--workers-external", *serve_args], env=api_env) as api:
             _wait_for_workers(httpx, api, workers, processes, workdir)
-            yield Stack(api, processes, redis_url, prefix)
+            yield Stack(api, processes, redis_url, prefix, api_env)
     finally:
         for process in processes.values():
             if process.poll() is None:

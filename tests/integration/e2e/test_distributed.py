@@ -24,6 +24,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from pagewise.bench.local_server import local_server
 from pagewise.bench.stack import distributed_stack
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily
@@ -50,7 +51,7 @@ def stack(tmp_path: Path, tiny_model: Callable, fresh_database: Callable[[str], 
     engine_args = ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN)]
     with distributed_stack(tmp_path, database_url, engine_args, workers=2, redis_url=REDIS_URL, env=env) as running:
         yield {"api": running.api, "workers": running.workers, "model": model, "database_url": database_url,
-               "prefix": running.key_prefix, "logs": tmp_path}
+               "prefix": running.key_prefix, "logs": tmp_path, "api_env": running.api_env}
 
 
 async def _tenant(http: httpx.AsyncClient, admin: str, name: str) -> tuple[str, str]:
@@ -188,3 +189,25 @@ async def test_two_workers_one_killed_mid_flight(stack: dict[str, Any]) -> None:
     assert once and all(r.cached_tokens == 0 for r in once), [(r.id, r.cached_tokens) for r in once]
     repeated = [rows[r["id"]] for item, r in zip(plan, results, strict=True) if not item["once"]]
     assert any(r.cached_tokens > 0 for r in repeated)  # the cache does work within a tenant
+
+
+async def test_async_requests_outlive_their_api_replica(stack: dict[str, Any], tmp_path: Path) -> None:
+    """A request accepted by a replica that is then SIGKILLed is run by a worker and read from another replica."""
+    api = stack["api"]
+    async with httpx.AsyncClient(base_url=api.base, timeout=60) as http:
+        _, key = await _tenant(http, api.admin_key, "durable")
+        body = {"endpoint": "/v1/completions", "model": str(stack["model"]), "prompt": "Durable:", "max_tokens": 64,
+                "temperature": 0, "ignore_eos": True}
+        submitted = await http.post("/v1/requests", json=body, headers=bearer(key))
+        assert submitted.status_code == 202, submitted.text
+    api.process.send_signal(signal.SIGKILL)
+    replica_dir = tmp_path / "replica"
+    replica_dir.mkdir()
+    with local_server(replica_dir, stack["database_url"], ["--workers-external"], env=stack["api_env"]) as replica:
+        async with httpx.AsyncClient(base_url=replica.base, timeout=60) as http:
+            for _ in range(600):
+                row = (await http.get(f"/v1/requests/{submitted.json()['id']}", headers=bearer(key))).json()
+                if row["status"] not in ("queued", "running"):
+                    break
+                await asyncio.sleep(0.1)
+    assert row["status"] == "completed" and row["usage"]["completion_tokens"] == 64

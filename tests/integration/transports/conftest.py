@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as redis
+from litestar import Litestar
 
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
@@ -32,7 +33,8 @@ from ..conftest import REDIS_URL
 from ..harness import Platform
 
 
-async def _with_admin(app, settings: Settings) -> AsyncIterator[Platform]:  # noqa: ANN001
+async def with_admin(app: Litestar) -> AsyncIterator[Platform]:
+    """The app over ASGI, with an admin key of a tenant of its own (the database may hold other admins)."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as http:
         async with app.state.sessionmaker() as session:
@@ -51,7 +53,7 @@ async def served(
         settings = Settings.from_env({}, **common)
         app = create_app(settings, engine=llm_engine, quotas=quotas)
         async with app.lifespan():
-            async for platform in _with_admin(app, settings):
+            async for platform in with_admin(app):
                 yield platform
         await quotas.close()
         return
@@ -66,7 +68,7 @@ async def served(
         worker = RedisWorker(host, client, RedisKeys(redis_key_prefix), worker_id="w-test", heartbeat_s=0.2)
         running = asyncio.get_running_loop().create_task(worker.run())
         try:
-            async for platform in _with_admin(app, settings):
+            async for platform in with_admin(app):
                 for _ in range(100):  # the API sees the worker at its next refresh
                     if (await platform.http.get("/ready")).status_code == 200:
                         break
