@@ -108,9 +108,10 @@ class Execution:
 
     async def run(self) -> Event:
         """Run to the end (or the abort); returns the terminal event, already emitted."""
-        final = await self._requests.final_state(self.request_id)
-        if final is not None:  # a redelivery of a request some attempt already finished
-            return await self._send(finished_event(final, self.attempt))
+        if self.attempt > 1:  # a redelivery: some attempt may have finished the request already
+            final = await self._requests.final_state(self.request_id)
+            if final is not None:
+                return await self._send(finished_event(final, self.attempt))
         try:
             self._check()
         except InvalidRequestError as exc:
