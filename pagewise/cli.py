@@ -6,7 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagewise.jobs import cli as jobs_cli
 from pagewise.platform import cli as platform_cli
+from pagewise.platform.billing import cli as billing_cli
 from pagewise.worker import cli as worker_cli
 
 
@@ -92,6 +94,8 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
             module.register(bench)
     platform_cli.register(commands)
+    billing_cli.register(commands)
+    jobs_cli.register(commands)
     worker_cli.register(commands, add_engine_arguments)
     return parser
 

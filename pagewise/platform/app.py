@@ -15,8 +15,11 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
 
+from pagewise import tracing
 from pagewise.platform.admin.controllers import AdminController
 from pagewise.platform.admin.workers import list_workers
+from pagewise.platform.billing.controllers import PriceController
+from pagewise.platform.billing.exports import ExportController
 from pagewise.platform.dashboard import DASHBOARD_HANDLERS, template_config
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
@@ -40,6 +43,13 @@ from pagewise.platform.settings import Settings
 from pagewise.platform.system import health, metrics, ready
 from pagewise.platform.telemetry import PlatformMetrics
 from pagewise.platform.tenants.controllers import TenantController
+from pagewise.platform.tracing import (
+    TracedApiKeyAuthMiddleware,
+    add_trace_id_header,
+    server_span_plugin,
+    traced_database,
+    traced_quotas,
+)
 from pagewise.platform.usage.controllers import UsageController
 
 if TYPE_CHECKING:  # only the embedded mode loads an engine; importing this module loads no torch
@@ -91,7 +101,26 @@ async def build_transport(
     owned = engine is None
     if engine is None:
         engine = await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
+        logger.info("%s", engine_summary(engine))
     return LoopbackTransport(EngineHost(engine, requests, quotas, metrics), owns_engine=owned)
+
+
+def engine_summary(engine: AsyncLLMEngine) -> str:
+    """One line for an operator: what is served, in which dtype and on what, with how much KV cache."""
+    config, limits = engine.config, engine.engine.limits
+    blocks = engine.engine.num_blocks
+    return (
+        f"pagewise: serving {engine.model_name} ({config.dtype} on {config.device}), max_model_len "
+        f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "
+        f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling"
+    )
+
+
+def build_quota_store(settings: Settings) -> QuotaStore:
+    """Shared by every replica in Redis when there is one; in this process otherwise."""
+    if settings.redis_url:
+        return RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
+    return InProcessQuotaStore(lease_s=settings.quota_lease_s)
 
 
 def admin_key_file() -> Path:
@@ -140,45 +169,43 @@ def create_app(
     `on_engine_dead` is called if that engine's loop dies. In `redis` engine mode no engine is loaded.
     """
     settings = settings or Settings.from_env()
+    traced = tracing.configure_from_env("pagewise-api")
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
         db = create_db_engine(settings.database_url)
-        sessionmaker = create_sessionmaker(db)
-        store = quotas or (
-            RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
-            if settings.redis_url
-            else InProcessQuotaStore(lease_s=settings.quota_lease_s)
-        )
-        requests = RequestStore(sessionmaker)
-        metrics = PlatformMetrics(lambda: transport.stats())
-        transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
-        services = PlatformServices(settings, EngineClient(transport), store, sessionmaker, requests, metrics)
-        app.state.services, app.state.sessionmaker = services, sessionmaker
-        if settings.is_embedded:
-            interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
-            if interrupted:
-                logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
-        async with sessionmaker() as session:
-            created = await KeyService(session).bootstrap_admin(settings.admin_key)
-        if created is not None and settings.admin_key is None:
-            announce_admin_key(created.key)
-        elif created is not None:
-            logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
-        await transport.start()
-        sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            with suppress(asyncio.CancelledError):
-                await sweeper
-            await transport.close()
-            if quotas is None:
-                await store.close()
-            await db.dispose()
+        with traced_database(db):
+            sessionmaker = create_sessionmaker(db)
+            store = traced_quotas(quotas or build_quota_store(settings))
+            requests = RequestStore(sessionmaker)
+            metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
+            transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
+            services = PlatformServices(settings, EngineClient(transport), store, sessionmaker, requests, metrics)
+            app.state.services, app.state.sessionmaker = services, sessionmaker
+            if settings.is_embedded:
+                interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
+                if interrupted:
+                    logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
+            async with sessionmaker() as session:
+                created = await KeyService(session).bootstrap_admin(settings.admin_key)
+            if created is not None and settings.admin_key is None:
+                announce_admin_key(created.key)
+            elif created is not None:
+                logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
+            await transport.start()
+            sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
+            try:
+                yield
+            finally:
+                sweeper.cancel()
+                with suppress(asyncio.CancelledError):
+                    await sweeper
+                await transport.close()
+                if quotas is None:
+                    await store.close()
+                await db.dispose()
 
     return Litestar(
         route_handlers=[
@@ -192,6 +219,8 @@ def create_app(
             KeyController,
             AdminController,
             list_workers,
+            PriceController,
+            ExportController,
             *DASHBOARD_HANDLERS,
         ],
         dependencies={
@@ -200,9 +229,13 @@ def create_app(
         },
         middleware=[
             refuse_nul_bytes,
-            DefineMiddleware(ApiKeyAuthMiddleware, exclude=[f"^{p}" for p in UNGUARDED_PATHS]),
+            DefineMiddleware(
+                TracedApiKeyAuthMiddleware if traced else ApiKeyAuthMiddleware,
+                exclude=[f"^{p}" for p in UNGUARDED_PATHS],
+            ),
         ],
-        before_send=[add_security_headers],
+        before_send=[add_security_headers, *([add_trace_id_header] if traced else [])],
+        plugins=[server_span_plugin()] if traced else [],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,

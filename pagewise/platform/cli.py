@@ -20,6 +20,7 @@ from typing import Any
 
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.paths import default_database_url, ensure_data_dir
+from pagewise.platform.redis_check import RedisUnreachableError
 from pagewise.platform.settings import EngineSettings, Settings, SettingsError
 
 _DURATION = re.compile(r"(\d+)([smhd])")
@@ -135,7 +136,7 @@ class StartupError(Exception):
     """A command cannot start; its message is the one line printed after `error: `."""
 
 
-_STARTUP_ERRORS = (StartupError, SettingsError)
+_STARTUP_ERRORS = (StartupError, SettingsError, RedisUnreachableError)
 STARTUP_ERROR_EXIT_STATUS = 2
 ENGINE_DIED_EXIT_STATUS = 3
 
@@ -210,14 +211,24 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from pagewise.platform.app import create_app
     from pagewise.platform.db.session import redacted_url
+    from pagewise.platform.redis_check import check_redis, redis_address
+    from pagewise.structured_logs import configure_logging
 
     settings = _settings(args)
     _check_port_free(args.host, args.port)
     _open_database(settings.database_url)
     print(f"pagewise: database {redacted_url(settings.database_url)}", file=sys.stderr)
-    if not args.workers_external:
+    if settings.redis_url is not None:
+        asyncio.run(check_redis(settings.redis_url))
+        print(f"pagewise: redis {redis_address(settings.redis_url)}", file=sys.stderr)
+    if settings.engine_mode == "redis":
+        print(f"pagewise: engine workers over Redis Streams, model {settings.engine.model}", file=sys.stderr)
+    else:
         _check_engine(settings)
-    config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level, server_header=False)
+    configure_logging(args.log_level)  # JSON lines with trace ids, readable on a terminal; uvicorn's loggers too
+    config = uvicorn.Config(
+        None, host=args.host, port=args.port, log_level=args.log_level, server_header=False, log_config=None
+    )
     server = uvicorn.Server(config)
 
     def stop() -> None:  # from the engine's thread: uvicorn polls the flag and shuts down gracefully

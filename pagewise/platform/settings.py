@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from pagewise.platform.paths import default_database_url
+from pagewise.platform.paths import data_dir, default_database_url
 from pagewise.platform.quotas.quota_store import DEFAULT_LEASE_S
 
 _SUPPORTED_DRIVERS = ("sqlite+aiosqlite", "postgresql+asyncpg")
@@ -60,7 +61,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 1_000_000
     quota_lease_s: float = DEFAULT_LEASE_S
     auto_migrate: bool = True
-    otel_exporter_otlp_endpoint: str | None = None
     admin_key: str | None = None
     """`PAGEWISE_ADMIN_KEY`: on an empty database, the bootstrap admin key (`pw_<prefix>_<secret>`) to store."""
     metrics_token: str | None = None
@@ -76,11 +76,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`PAGEWISE_MAX_DELIVERIES`: deliveries of a request (worker deaths) before it is dead-lettered and failed."""
     routing_affinity: bool = True
     """`PAGEWISE_ROUTING_AFFINITY`: route a tenant's requests to the worker holding its prefix cache."""
+    export_dir: str | None = None
+    """`PAGEWISE_EXPORT_DIR`: where billing exports are written and served from (default: `<data dir>/exports`)."""
+    retention_days: int | None = None
+    """`PAGEWISE_RETENTION_DAYS`: the retention job drops request input and output finished longer ago than this
+    (tokens and cost stay); unset keeps them forever."""
+    jobs_visibility_timeout_s: int = 3600
+    """`PAGEWISE_JOBS_VISIBILITY_TIMEOUT_S`: a job a worker took but never acknowledged (it died) is handed out
+    again after this long; longer than any job's time limit, so a running job is never handed out twice."""
 
     @property
     def heartbeat_ttl_s(self) -> float:
         """How long a worker stays live without a heartbeat."""
         return 5 * self.worker_heartbeat_s
+
+    @property
+    def export_path(self) -> Path:
+        """Where billing exports live: `PAGEWISE_EXPORT_DIR`, else `<data dir>/exports`."""
+        return Path(self.export_dir) if self.export_dir else data_dir() / "exports"
 
     @property
     def is_embedded(self) -> bool:
@@ -125,7 +138,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise SettingsError(f"PAGEWISE_ENGINE_MODE must be local or redis; got {self.engine_mode!r}")
         if self.engine_mode == "redis" and self.redis_url is None:
             raise SettingsError("PAGEWISE_ENGINE_MODE=redis (or --workers-external) needs PAGEWISE_REDIS_URL")
-        for name in ("max_queue_depth", "worker_heartbeat_s", "max_deliveries"):
+        for name in ("max_queue_depth", "worker_heartbeat_s", "max_deliveries", "jobs_visibility_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"PAGEWISE_{name.upper()} must be positive; got {getattr(self, name)}")
         if self.heartbeat_ttl_s >= self.quota_lease_s:
@@ -135,6 +148,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.quota_lease_s <= 0:
             raise SettingsError(f"PAGEWISE_QUOTA_LEASE_S must be positive; got {self.quota_lease_s}")
+        if self.retention_days is not None and self.retention_days <= 0:
+            raise SettingsError(f"PAGEWISE_RETENTION_DAYS must be positive; got {self.retention_days}")
         if self.max_body_bytes <= 0:
             raise SettingsError(f"PAGEWISE_MAX_BODY_BYTES must be positive; got {self.max_body_bytes}")
         for name in _POSITIVE_ENGINE_FLAGS:

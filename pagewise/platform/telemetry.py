@@ -35,18 +35,23 @@ _ENGINE_COUNTERS = {
 
 
 class EngineStatsCollector(Collector):
-    """Reads the engine's stats at scrape time; the engine keeps no Prometheus state of its own."""
+    """Reads the engine's stats at scrape time; the engine keeps no Prometheus state of its own. Every engine
+    family carries vLLM's `model_name` label: the model the stats are of."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self._stats = stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        stats, model = self._stats(), [self._model_name]
         for key, help_text in _ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(f"pagewise:{key}", help_text, value=float(stats.get(key, 0)))
+            family = GaugeMetricFamily(f"pagewise:{key}", help_text, labels=["model_name"])
+            family.add_metric(model, float(stats.get(key, 0)))
+            yield family
         for key, help_text in _ENGINE_COUNTERS.items():
-            name = f"pagewise:{key.removesuffix('_total')}"
-            yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+            family = CounterMetricFamily(f"pagewise:{key.removesuffix('_total')}", help_text, labels=["model_name"])
+            family.add_metric(model, float(stats.get(key, 0)))
+            yield family
         yield from _tenant_gauges(stats.get("tenants", {}))
 
 
@@ -67,7 +72,7 @@ def _tenant_gauges(tenants: dict[str, dict[str, float]]) -> Iterator[Metric]:
 
 
 class PlatformMetrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -98,7 +103,7 @@ class PlatformMetrics:
             buckets=_TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(EngineStatsCollector(engine_stats))
+        r.register(EngineStatsCollector(engine_stats, model_name))
 
     def observe_settled(self, submit: Submit, finished: Finished) -> None:
         """Count one settled request and its billed tokens (by the process that wrote its final row)."""

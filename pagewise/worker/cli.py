@@ -17,6 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from pagewise.platform.cli import add_database_url_argument
+from pagewise.structured_logs import configure_logging
 
 ENGINE_DIED_EXIT_STATUS = 3
 STARTUP_ERROR_EXIT_STATUS = 2
@@ -36,37 +37,21 @@ def register(subparsers: argparse._SubParsersAction, add_engine_arguments: Calla
 def worker_command(args: argparse.Namespace) -> int:
     from pagewise.engine.config import EngineConfig
     from pagewise.platform.db.session import DatabaseUnreachableError, check_database
+    from pagewise.platform.redis_check import RedisUnreachableError, check_redis
     from pagewise.platform.settings import Settings, SettingsError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     engine_flags = {f.name: getattr(args, f.name, None) for f in fields(EngineConfig)}
     try:
         settings = Settings.from_env(engine=engine_flags, database_url=args.database_url)
         if settings.redis_url is None:
             raise SettingsError("pagewise worker needs PAGEWISE_REDIS_URL (the Redis its API replicas use)")
         asyncio.run(check_database(settings.database_url))
-        asyncio.run(_check_redis(settings.redis_url))
+        asyncio.run(check_redis(settings.redis_url))
     except (SettingsError, DatabaseUnreachableError, RedisUnreachableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return STARTUP_ERROR_EXIT_STATUS
     return asyncio.run(_serve(settings, args))
-
-
-class RedisUnreachableError(ConnectionError):
-    """Redis does not answer; the message is one line naming the URL (password hidden)."""
-
-
-async def _check_redis(url: str) -> None:
-    import redis.asyncio as redis
-
-    client = redis.Redis.from_url(url, socket_connect_timeout=5)
-    try:
-        await client.ping()
-    except (redis.RedisError, OSError) as error:
-        shown = url.split("@")[-1] if "@" in url else url.split("://", 1)[-1]
-        raise RedisUnreachableError(f"cannot reach Redis at {shown}: {error}") from None
-    finally:
-        await client.aclose()
 
 
 async def _serve(settings: Any, args: argparse.Namespace) -> int:
@@ -74,12 +59,14 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     import prometheus_client
     import redis.asyncio as redis
 
-    from pagewise.platform.app import load_engine
+    from pagewise.platform.app import engine_summary, load_engine
     from pagewise.platform.db.session import create_db_engine, create_sessionmaker
     from pagewise.platform.quotas.redis_store import RedisQuotaStore
     from pagewise.platform.requests.store import RequestStore
     from pagewise.platform.telemetry import PlatformMetrics
+    from pagewise.platform.tracing import traced_database, traced_quotas
     from pagewise.protocol import RedisKeys
+    from pagewise.tracing import configure_from_env
     from pagewise.worker.host import EngineHost
     from pagewise.worker.redis_worker import RedisWorker
 
@@ -92,13 +79,15 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
         if holder:
             loop.call_soon_threadsafe(holder[0].stop)
 
+    configure_from_env("pagewise-worker")
     db = create_db_engine(settings.database_url)
     quotas = RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
     client = redis.Redis.from_url(settings.redis_url)
     try:
         engine = await anyio.to_thread.run_sync(load_engine, settings, engine_died)
-        host = EngineHost(engine, RequestStore(create_sessionmaker(db)), quotas)
-        host.metrics = PlatformMetrics(host.stats)
+        logger.info("%s", engine_summary(engine))
+        host = EngineHost(engine, RequestStore(create_sessionmaker(db)), traced_quotas(quotas))
+        host.metrics = PlatformMetrics(host.stats, engine.model_name)
         if args.metrics_port is not None:
             prometheus_client.start_http_server(args.metrics_port, args.metrics_host, registry=host.metrics.registry)
         worker = RedisWorker(
@@ -112,7 +101,8 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
         holder.append(worker)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
-        await worker.run()
+        with traced_database(db):
+            await worker.run()
         engine.shutdown()
     finally:
         await client.aclose()

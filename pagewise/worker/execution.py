@@ -42,6 +42,7 @@ from pagewise.protocol import (
     TokenLogprob,
     Usage,
 )
+from pagewise.worker.request_trace import RequestTrace
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -91,7 +92,9 @@ class Execution:
         self.won = False  # whether this execution's final write was the one that finished the row
         self._started_at = time.time()
         self._first_token_at: float | None = None
+        self._num_generated = 0
         self._background: set[asyncio.Task[None]] = set()
+        self._trace = RequestTrace(submit, attempt)
 
     @property
     def request_id(self) -> str:
@@ -108,6 +111,12 @@ class Execution:
 
     async def run(self) -> Event:
         """Run to the end (or the abort); returns the terminal event, already emitted."""
+        with self._trace.execution():
+            event = await self._run()
+            self._trace.ended(event, [c.finish_reason for c in self._choices if c.finish_reason])
+            return event
+
+    async def _run(self) -> Event:
         if self.attempt > 1:  # a redelivery: some attempt may have finished the request already
             final = await self._requests.final_state(self.request_id)
             if final is not None:
@@ -148,6 +157,7 @@ class Execution:
         runs, which resolves the prompt's usage report however it ends from then on."""
         state = self._prompts[index]
         state.started = True
+        self._trace.engine_started()
         stream = self._engine.generate(
             self.submit.prompts[index],
             self.submit.params,
@@ -174,9 +184,12 @@ class Execution:
             state.text.append(c.text)
             state.num_tokens += len(c.token_ids)
             state.finish_reason = c.finish_reason or state.finish_reason
+            self._num_generated += len(c.token_ids)
             choices.append(_choice(index, c, self.submit.params.logprobs))
         if not choices:
             return
+        if self._num_generated:
+            self._trace.generated(self._num_generated)
         if self._first_token_at is None and any(c.token_ids for c in choices):
             self._first_token_at = time.time()
             if not output.finished:  # a request done at its first token goes straight to its final write
@@ -194,9 +207,7 @@ class Execution:
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
-        won = await self._requests.finish(
-            self.request_id, self.submit.tenant_id, self.submit.model, self._result("failed", error, Usage())
-        )
+        won = await self._finish(self._result("failed", error, Usage()))
         if won:
             self.won = True
             await self._quotas.reconcile(self.submit.reservation, 0)
@@ -205,7 +216,7 @@ class Execution:
     async def _settle(self, status: str, error: ErrorInfo | None) -> Event:
         usage = await self._usage()
         result = self._result(status, error, usage)
-        won = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
+        won = await self._finish(result)
         if won:
             self.won = True
             await self._quotas.reconcile(self.submit.reservation, usage.total)
@@ -248,6 +259,13 @@ class Execution:
             sum(u.completion_tokens for u in usages),
             sum(u.cached_tokens for u in usages),
         )
+
+    async def _finish(self, result: FinishedRequest) -> bool:
+        """The guarded final write; True if it was this execution's write that finished the row."""
+        with self._trace.persisting(result.status) as span:
+            won = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
+            span.set_attribute("pagewise.persist.won", won)
+            return won
 
     def _result(self, status: str, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
         return FinishedRequest(

@@ -76,7 +76,7 @@ class RedisWorker:
         logger.info("worker %s serving %s (inbox %s)", self.worker_id, self.model, self.inbox)
         try:
             while not self._stopping.is_set():
-                await self._consume(self.inbox, ">")
+                await self._consume(self.inbox)
         finally:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
             for task in tasks:
@@ -97,10 +97,11 @@ class RedisWorker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def _consume(self, stream: str, start: str) -> int:
-        """Read and start up to `READ_COUNT` Submits of `stream` (`>`: new ones); returns how many."""
+    async def _consume(self, stream: str, *, block_ms: int | None = READ_BLOCK_MS) -> int:
+        """Read and start up to `READ_COUNT` Submits never delivered from `stream` (waiting up to `block_ms` for
+        one; `None`: not at all); returns how many."""
         reply = await self._redis.xreadgroup(
-            RedisKeys.GROUP, self.worker_id, {stream: start}, count=READ_COUNT, block=READ_BLOCK_MS
+            RedisKeys.GROUP, self.worker_id, {stream: ">"}, count=READ_COUNT, block=block_ms
         )
         started = 0
         for _, entries in reply or []:
@@ -200,7 +201,7 @@ class RedisWorker:
     async def _adopt(self, dead_id: str) -> None:
         stream = self._keys.submissions(dead_id)
         claimed = await self._claim_pending(stream)
-        started = await self._consume_now(stream)
+        started = await self._consume(stream, block_ms=None)
         if not claimed and not started:
             pending = await self._redis.xpending(stream, RedisKeys.GROUP)
             if not pending["pending"] and not await self._redis.xlen(stream):
@@ -239,15 +240,6 @@ class RedisWorker:
                 logger.warning("rerunning %s from %s (delivery %d)", entry_id, stream, deliveries)
                 await self._start(stream, entry_id, fields, attempt=deliveries)
         return len(orphaned)
-
-    async def _consume_now(self, stream: str) -> int:
-        reply = await self._redis.xreadgroup(RedisKeys.GROUP, self.worker_id, {stream: ">"}, count=READ_COUNT)
-        started = 0
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                await self._start(stream, entry_id, fields, attempt=1)
-                started += 1
-        return started
 
     async def _dead_letter(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
         """Park the Submit, fail its request with the reason, tell its readers, acknowledge it."""

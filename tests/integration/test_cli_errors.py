@@ -117,3 +117,14 @@ def test_serve_with_external_workers_needs_redis(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'api.db'}"
     result = pagewise("serve", "--workers-external", "--port", "0", "--database-url", url, cwd=tmp_path)
     assert_one_error_line(result, "needs PAGEWISE_REDIS_URL")
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_an_unreachable_redis_is_one_line_before_the_model_loads(tmp_path: Path, command: str) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'api.db'}"
+    unreachable = {"PAGEWISE_REDIS_URL": "redis://:secret@127.0.0.1:1/0"}
+    args = ["--port", "0"] if command == "serve" else []
+    result = pagewise(command, *args, "--database-url", url, cwd=tmp_path, env=unreachable)
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("pagewise: ")]  # start-up summary
+    assert (result.returncode, len(errors)) == (2, 1), result.stderr
+    assert errors[0].startswith("error: cannot reach Redis at 127.0.0.1:1/0") and "secret" not in result.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagewise.platform.app import create_app
 from pagewise.engine.async_engine import AsyncLLMEngine
+from pagewise.platform.app import create_app
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.settings import Settings

@@ -11,7 +11,15 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["pagewise", "pagewise.platform", "pagewise.platform.app", "pagewise.protocol", "pagewise.platform.transports.redis"],
+    [
+        "pagewise",
+        "pagewise.platform",
+        "pagewise.platform.app",
+        "pagewise.protocol",
+        "pagewise.platform.transports.redis",
+        "pagewise.jobs",
+        "pagewise.jobs.tasks",
+    ],
 )
 def test_importing_does_not_load_torch(module: str) -> None:
     probe = f"import sys, {module}; print('torch' in sys.modules)"

@@ -6,7 +6,20 @@ import datetime as dt
 import enum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -52,12 +65,16 @@ class Tenant(Base):
     max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
     max_n: Mapped[int | None] = mapped_column(Integer)
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
+    monthly_spend_budget_micros: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 class ApiKey(Base):
-    """An API key. Only `prefix` and the SHA-256 of the secret are stored; the key itself is shown once."""
+    """An API key. Only `prefix` and the SHA-256 of the secret are stored; the key itself is shown once.
+
+    Its limits (`None`: none of its own) apply on top of its tenant's; `allowed_models` `None` allows every model.
+    """
 
     __tablename__ = "api_keys"
 
@@ -71,6 +88,11 @@ class ApiKey(Base):
     last_used_at: Mapped[dt.datetime | None]
     expires_at: Mapped[dt.datetime | None]
     revoked_at: Mapped[dt.datetime | None]
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_spend_budget_micros: Mapped[int | None] = mapped_column(BigInteger)
+    allowed_models: Mapped[list[Any] | None]
 
 
 class RequestRecord(Base):
@@ -79,6 +101,10 @@ class RequestRecord(Base):
 
     `lease_expires_at` is `None` for rows owned by an embedded (single-process) server; otherwise an
     unfinished row whose lease has passed lost its process and is failed by the orphan sweep.
+
+    `cost_micros` is set by the final write from the price in effect at `finished_at` (`price_id`; `None`: the
+    model had no price, and the request cost 0). `body_purged_at` is set when retention dropped `input` and
+    `output`; tokens and cost stay.
     """
 
     __tablename__ = "requests"
@@ -86,6 +112,7 @@ class RequestRecord(Base):
         Index("ix_requests_tenant_id_queued_at_id", "tenant_id", "queued_at", "id"),
         Index("ix_requests_status", "status"),
         Index("ix_requests_queued_at", "queued_at"),
+        Index("ix_requests_finished_at", "finished_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -107,17 +134,70 @@ class RequestRecord(Base):
     first_token_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
     lease_expires_at: Mapped[dt.datetime | None]
+    cost_micros: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    price_id: Mapped[str | None] = mapped_column(ForeignKey("model_prices.id", ondelete="RESTRICT"))
+    body_purged_at: Mapped[dt.datetime | None]
+    trace_id: Mapped[str | None] = mapped_column(String(32))  # the request's OpenTelemetry trace, when traced
 
 
 class UsageDaily(Base):
-    """Per tenant, model and UTC day: requests and tokens; updated in the transaction finishing a request."""
+    """Per tenant, UTC day, model and API key: requests, tokens and cost; updated in the transaction finishing a
+    request, so it is the one source of truth for usage (the roll-up jobs only check it against the rows).
+
+    `api_key_id` is part of the key, so usage groups by key without reading request rows. It is `""` for
+    usage recorded before keys were tracked (revision 0004) and for requests whose key is gone; never null,
+    since it is part of the primary key.
+    """
 
     __tablename__ = "usage_daily"
 
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     day: Mapped[dt.date] = mapped_column(Date, primary_key=True)
     model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(String(40), primary_key=True, server_default=text("''"))
     requests: Mapped[int] = mapped_column(default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost_micros: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+
+
+class ModelPrice(Base):
+    """One version of a model's price, in integer micro-dollars per million tokens, from `effective_from` on.
+
+    Rows are only ever added: the price in effect at a moment is the row of that model with the latest
+    `effective_from` not after it, so a new price never changes what was billed before it.
+    """
+
+    __tablename__ = "model_prices"
+    __table_args__ = (UniqueConstraint("model", "effective_from", name="uq_model_prices_model_effective_from"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    input_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
+    cached_input_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
+    output_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
+    effective_from: Mapped[dt.datetime]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class BillingExport(Base):
+    """One revision of a tenant's billing export for a calendar month (`period`, `YYYY-MM`).
+
+    Revisions of a (tenant, period) count up from 1 and differ in content: an export whose files would hash
+    the same as the latest revision's is that revision. The files live under the export directory at
+    `<tenant_id>/<period>/r<revision>.{csv,jsonl}`.
+    """
+
+    __tablename__ = "billing_exports"
+    __table_args__ = (UniqueConstraint("tenant_id", "period", "revision", name="uq_billing_exports_revision"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    period: Mapped[str] = mapped_column(String(7))
+    revision: Mapped[int] = mapped_column(Integer)
+    num_rows: Mapped[int] = mapped_column(Integer)
+    total_cost_micros: Mapped[int] = mapped_column(BigInteger)
+    csv_sha256: Mapped[str] = mapped_column(String(64))
+    jsonl_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

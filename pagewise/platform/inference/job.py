@@ -13,6 +13,9 @@ Invariants:
 - A request restarted on another worker (a higher `attempt`) continues cleanly when its output is reproducible
   (greedy or seeded): the tokens the client already has are skipped. A sampled one ends with a `worker_lost`
   error instead, since its continuation would not match what was sent.
+- The read reports to the span current when `run` starts (the HTTP server span, when traced): a
+  `gen_ai.first_token` event, a `pagewise.restarted` event per new attempt, and at the end the billed tokens and
+  the finish reasons. Nothing of the prompt or the output.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from pagewise import tracing
+from pagewise.platform.billing.prices import current_rate
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.errors import APIError, invalid_request
@@ -106,6 +114,7 @@ class InferenceJob:
         self._cached_tokens = 0
         self._start = time.monotonic()
         self._first_token: float | None = None
+        self._span: Span = INVALID_SPAN  # the span `run` reports to (the HTTP request's, when traced)
 
     @staticmethod
     async def precheck(services: PlatformServices, principal: Principal) -> None:
@@ -126,20 +135,34 @@ class InferenceJob:
     async def admit(
         cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest
     ) -> InferenceJob:
-        """Check capacity, reserve quota, persist the `queued` row, hand the request to an engine."""
+        """Check capacity and the key's models, reserve quota (tenant and key, tokens and spend), persist the
+        `queued` row, hand the request to an engine."""
         transport = services.engine.transport
         transport.check_capacity()
+        if principal.allowed_models is not None and prepared.model not in principal.allowed_models:
+            raise APIError(
+                403,
+                f"This API key may not use model '{prepared.model}'; it may use: {', '.join(principal.allowed_models)}",
+                code="model_not_allowed",
+                param="model",
+            )
         request_id = new_id(_ID_PREFIX[prepared.endpoint])
         tokens, slots = prepared.reserved_tokens, prepared.num_sequences
-        refusal = never_fits(principal.limits, tokens, slots)
+        async with services.sessionmaker() as session:
+            rate = await current_rate(session, prepared.model, sum(len(p) for p in prepared.prompts))
+        spend = 0 if rate is None else rate.cost(tokens)
+        key = principal.key_quota
+        refusal = never_fits(principal.limits, tokens, slots, spend) or (
+            key and never_fits(key.limits, tokens, slots, spend, "key")
+        )
         if refusal is not None:
             raise refusal
         decision = await services.quotas.reserve(
-            principal.tenant_id, principal.limits, tokens, request_id, slots=slots
+            principal.tenant_id, principal.limits, tokens, request_id, slots=slots, key=key, rate=rate
         )
         if decision.reservation is None:
             services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
-            raise quota_exceeded(decision, tokens, slots)
+            raise quota_exceeded(decision, tokens, slots, requested_spend=spend)
         reservation = decision.reservation
         record = RequestRecord(
             id=request_id,
@@ -151,6 +174,7 @@ class InferenceJob:
             params=prepared.params_record(),
             status="queued",
             lease_expires_at=services.lease_expiry(),
+            trace_id=tracing.trace_id(),
         )
         try:
             await services.requests.create(record)
@@ -197,6 +221,8 @@ class InferenceJob:
         `APIError`. Leaving early aborts the request. A job already ended yields nothing."""
         if self._ended:
             return
+        self._span = trace.get_current_span()
+        self._span.set_attributes({"gen_ai.request.model": self.prepared.model, "gen_ai.response.id": self.id})
         try:
             async for event in self._events():
                 if isinstance(event, Delta):
@@ -211,6 +237,9 @@ class InferenceJob:
                 if event.error is not None:
                     raise engine_error(event.error)
         finally:
+            if self.final is not None:
+                reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason]
+                self._span.set_attributes(tracing.usage_attributes(self.final.usage, reasons))
             if not self._ended:
                 await asyncio.shield(self.services.engine.transport.abort(self.id))
 
@@ -246,10 +275,12 @@ class InferenceJob:
             news.append(choice)
         if self._first_token is None and any(c.token_ids for c in news):
             self._first_token = time.monotonic()
+            self._span.add_event("gen_ai.first_token")
         return news
 
     def _restart(self, attempt: int) -> None:
         self._attempt = attempt
+        self._span.add_event("pagewise.restarted", {"pagewise.attempt": attempt})
         delivered = {i: c.num_tokens for i, c in self.choices.items() if c.num_tokens}
         params = self.prepared.params
         if delivered and not (params.greedy or params.seed is not None):

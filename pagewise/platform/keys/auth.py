@@ -23,7 +23,7 @@ from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.key_format import parse_key, secret_matches
 from pagewise.platform.keys.schemas import key_status
-from pagewise.platform.quotas.quota_store import QuotaLimits
+from pagewise.platform.quotas.quota_store import KeyQuota, QuotaLimits
 
 LAST_USED_RESOLUTION = dt.timedelta(
     minutes=1
@@ -37,7 +37,8 @@ UNGUARDED_PATHS = PUBLIC_PATHS + SELF_AUTHENTICATED_PATHS  # what the key middle
 
 
 class Principal(msgspec.Struct, frozen=True):
-    """Who is calling: the key, its scopes and a snapshot of its tenant's limits and scheduling weight."""
+    """Who is calling: the key, its scopes and a snapshot of its tenant's limits and scheduling weight, and of
+    the key's own limits (`key_quota`, `None` when it has none) and `allowed_models` (`None`: every model)."""
 
     key_id: str
     tenant_id: str
@@ -47,6 +48,8 @@ class Principal(msgspec.Struct, frozen=True):
     max_tokens_per_request: int | None
     max_n: int | None
     weight: float
+    key_quota: KeyQuota | None = None
+    allowed_models: tuple[str, ...] | None = None
 
 
 def tenant_limits(tenant: Tenant) -> QuotaLimits:
@@ -55,7 +58,19 @@ def tenant_limits(tenant: Tenant) -> QuotaLimits:
         tokens_per_minute=tenant.tokens_per_minute,
         monthly_token_budget=tenant.monthly_token_budget,
         max_concurrent_requests=tenant.max_concurrent_requests,
+        monthly_spend_budget_micros=tenant.monthly_spend_budget_micros,
     )
+
+
+def key_quota(key: ApiKey) -> KeyQuota | None:
+    """The key's own limits as a quota scope, or `None` when it has none (no counters are kept for it)."""
+    limits = QuotaLimits(
+        requests_per_minute=key.requests_per_minute,
+        tokens_per_minute=key.tokens_per_minute,
+        monthly_token_budget=key.monthly_token_budget,
+        monthly_spend_budget_micros=key.monthly_spend_budget_micros,
+    )
+    return None if limits == QuotaLimits() else KeyQuota(key.id, limits)
 
 
 def unauthorized(message: str) -> APIError:
@@ -109,6 +124,8 @@ async def authenticate(session: AsyncSession, authorization: str | None) -> Prin
         max_tokens_per_request=tenant.max_tokens_per_request,
         max_n=tenant.max_n,
         weight=tenant.weight,
+        key_quota=key_quota(key),
+        allowed_models=None if key.allowed_models is None else tuple(key.allowed_models),
     )
 
 

@@ -1,7 +1,8 @@
 """API-key operations shared by the admin API, the CLI and the first-start bootstrap.
 
 Invariants: every check runs before anything is written (a refused call changes nothing); a rotation
-writes the new key and retires the old one in one commit; revoking the last working admin key is refused
+writes the new key and retires the old one in one commit, and the new key keeps the old one's limits (its
+counters start afresh under its own id); revoking the last working admin key is refused
 (`tenants.last_admin`); the bootstrap creates the admin tenant and its key in one commit.
 """
 
@@ -17,7 +18,15 @@ from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError, invalid_request, not_found
 from pagewise.platform.keys.key_format import NewKey, generate_key, key_from_string
-from pagewise.platform.keys.schemas import MAX_GRACE_PERIOD_S, KeyCreate, KeyCreated, KeyOut, key_status
+from pagewise.platform.keys.schemas import (
+    KEY_LIMIT_FIELDS,
+    MAX_GRACE_PERIOD_S,
+    KeyCreate,
+    KeyCreated,
+    KeyOut,
+    KeyUpdate,
+    key_status,
+)
 from pagewise.platform.tenants.last_admin import ADMIN_SCOPE, ensure_admin_remains
 from pagewise.platform.tenants.names import clean_name
 from pagewise.platform.tenants.schemas import TenantCreate
@@ -39,6 +48,18 @@ def _stored(key: ApiKey) -> dict[str, object]:
     """The stored fields of a body; timestamps in UTC whichever database handed them back."""
     values = {f: getattr(key, f) for f in _STORED_FIELDS}
     return {f: as_utc(v) if isinstance(v, dt.datetime) else v for f, v in values.items()}
+
+
+def _checked_limits(values: dict[str, object]) -> dict[str, object]:
+    """`values` with `allowed_models` cleaned (each a model name, stripped; duplicates dropped, sorted)."""
+    models = values.get("allowed_models")
+    if isinstance(models, list):
+        values = {**values, "allowed_models": sorted({clean_name(m, param="allowed_models") for m in models})}
+    return values
+
+
+def _limits_of(data: KeyCreate) -> dict[str, object]:
+    return _checked_limits({f: getattr(data, f) for f in KEY_LIMIT_FIELDS})
 
 
 def _checked_expiry(expires_at: dt.datetime | None) -> dt.datetime | None:
@@ -65,10 +86,20 @@ class KeyService:
             raise invalid_request("scopes must name at least one of: inference, admin", param="scopes")
         name = clean_name(data.name, allow_empty=True)
         expires_at = _checked_expiry(data.expires_at)
+        limits = _limits_of(data)
         new = generate_key()
-        key = self._add(tenant_id, name, data.scopes, expires_at, new)
+        key = self._add(tenant_id, name, data.scopes, expires_at, new, limits)
         await self.session.commit()
         return key_created(key, new.key)
+
+    async def update(self, tenant_id: str, key_id: str, data: KeyUpdate) -> ApiKey:
+        """Change the key's limits that are set in `data`; a revoked key's too (they no longer matter)."""
+        key = await self.get(tenant_id, key_id)
+        changes = _checked_limits({k: v for k, v in msgspec.structs.asdict(data).items() if v is not msgspec.UNSET})
+        for field, value in changes.items():
+            setattr(key, field, value)
+        await self.session.commit()
+        return key
 
     async def list(self, tenant_id: str | None = None) -> list[ApiKey]:
         query = select(ApiKey).order_by(ApiKey.id)
@@ -115,7 +146,8 @@ class KeyService:
                 param="grace_period_s",
             )
         new = generate_key()
-        key = self._add(tenant_id, old.name, old.scopes, old.expires_at, new)
+        limits = {f: getattr(old, f) for f in KEY_LIMIT_FIELDS}
+        key = self._add(tenant_id, old.name, old.scopes, old.expires_at, new, limits)
         if grace_period_s == 0:
             old.revoked_at = now
         else:
@@ -142,7 +174,13 @@ class KeyService:
         return key_created(created, new.key)
 
     def _add(
-        self, tenant_id: str, name: str, scopes: list[str], expires_at: dt.datetime | None, new: NewKey
+        self,
+        tenant_id: str,
+        name: str,
+        scopes: list[str],
+        expires_at: dt.datetime | None,
+        new: NewKey,
+        limits: dict[str, object] | None = None,
     ) -> ApiKey:
         """A key row added to the session, not yet committed; only the prefix and the hash are stored."""
         key = ApiKey(
@@ -153,6 +191,7 @@ class KeyService:
             secret_sha256=new.secret_sha256,
             scopes=sorted(set(scopes)),
             expires_at=expires_at,
+            **(limits or {}),
         )
         self.session.add(key)
         return key

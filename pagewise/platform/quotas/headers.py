@@ -1,15 +1,18 @@
 """Rate-limit headers (`x-ratelimit-*`, OpenAI's names) for admitted and rejected requests; the 429.
 
-Invariant: a 429's message names the one limit that refused and states that limit, what is used or held,
-what remains, what the request asked for and when the window resets — the numbers the headers carry too.
+Invariant: a 429's message names the one limit that refused (marked "this API key's limit" when it is the key's
+rather than the tenant's) and states that limit, what is used or held, what remains, what the request asked for
+and when the window resets — the numbers the headers carry too. With key limits, each header reports the
+tighter of the two scopes.
 """
 
 from __future__ import annotations
 
 import math
 
+from pagewise.platform.billing.money import format_dollars
 from pagewise.platform.errors import APIError
-from pagewise.platform.quotas.quota_store import Decision
+from pagewise.platform.quotas.quota_store import Decision, QuotaLimits, QuotaUsage
 
 
 def format_reset(seconds: float) -> str:
@@ -24,23 +27,28 @@ def format_reset(seconds: float) -> str:
 
 
 def rate_limit_headers(decision: Decision) -> dict[str, str]:
-    """Headers for the limits the tenant has; an unlimited dimension sends none."""
-    limits, usage = decision.limits, decision.usage
+    """Headers for the limits the tenant or its key has; an unlimited dimension sends none."""
+    scopes = [(decision.limits, decision.usage)]
+    if decision.key is not None:
+        scopes.append((decision.key.limits, decision.key.usage))
     headers: dict[str, str] = {}
-    reset = format_reset(usage.minute_resets_in)
-    if limits.requests_per_minute is not None:
-        headers["x-ratelimit-limit-requests"] = str(limits.requests_per_minute)
-        headers["x-ratelimit-remaining-requests"] = str(
-            max(0, limits.requests_per_minute - usage.requests_this_minute)
-        )
-        headers["x-ratelimit-reset-requests"] = reset
-    if limits.tokens_per_minute is not None:
-        headers["x-ratelimit-limit-tokens"] = str(limits.tokens_per_minute)
-        headers["x-ratelimit-remaining-tokens"] = str(
-            max(0, limits.tokens_per_minute - usage.tokens_this_minute)
-        )
-        headers["x-ratelimit-reset-tokens"] = reset
+    for name, limit_of, used_of in (
+        ("requests", lambda limits: limits.requests_per_minute, lambda usage: usage.requests_this_minute),
+        ("tokens", lambda limits: limits.tokens_per_minute, lambda usage: usage.tokens_this_minute),
+    ):
+        tightest = _tightest([(limit_of(limits), used_of(usage)) for limits, usage in scopes])
+        if tightest is not None:
+            limit, remaining = tightest
+            headers[f"x-ratelimit-limit-{name}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{name}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{name}"] = format_reset(decision.usage.minute_resets_in)
     return headers
+
+
+def _tightest(pairs: list[tuple[int | None, int]]) -> tuple[int, int] | None:
+    """(limit, remaining) of the (limit, used) pair with the least remaining; `None` when all are unlimited."""
+    limited = [(limit, max(0, limit - used)) for limit, used in pairs if limit is not None]
+    return min(limited, key=lambda pair: pair[1]) if limited else None
 
 
 def _window_message(what: str, limit: int, used: int, requested: int, resets_in: float) -> str:
@@ -51,13 +59,18 @@ def _window_message(what: str, limit: int, used: int, requested: int, resets_in:
     )
 
 
-def quota_exceeded(decision: Decision, requested_tokens: int, requested_slots: int = 1) -> APIError:
-    """The 429 for a rejected reservation of `requested_tokens` tokens and `requested_slots` slots.
+def quota_exceeded(
+    decision: Decision, requested_tokens: int, requested_slots: int = 1, *, requested_spend: int = 0
+) -> APIError:
+    """The 429 for a rejected reservation of `requested_tokens` tokens, `requested_slots` slots and
+    `requested_spend` micro-dollars.
 
     Carries `Retry-After` and the rate-limit headers; `requested_slots` defaults to 1 like `reserve`'s.
     """
-    limits, usage = decision.limits, decision.usage
+    refusing = decision.refusing
+    limits, usage = refusing.limits, refusing.usage
     code = "rate_limit_exceeded"
+    of_key = " (this API key's limit)" if decision.scope == "key" else ""
     match decision.rejected_by:
         case "concurrency":
             retry_after = 1
@@ -69,7 +82,7 @@ def quota_exceeded(decision: Decision, requested_tokens: int, requested_slots: i
         case "requests":
             retry_after = usage.minute_resets_in
             message = _window_message(
-                "Rate limit reached for requests per minute",
+                f"Rate limit reached for requests per minute{of_key}",
                 limits.requests_per_minute or 0,
                 usage.requests_this_minute,
                 1,
@@ -78,16 +91,19 @@ def quota_exceeded(decision: Decision, requested_tokens: int, requested_slots: i
         case "tokens":
             retry_after = usage.minute_resets_in
             message = _window_message(
-                "Rate limit reached for tokens per minute",
+                f"Rate limit reached for tokens per minute{of_key}",
                 limits.tokens_per_minute or 0,
                 usage.tokens_this_minute,
                 requested_tokens,
                 usage.minute_resets_in,
             )
+        case "monthly_spend":
+            retry_after, code = usage.month_resets_in, "insufficient_quota"
+            message = _spend_message(of_key, limits, usage, requested_spend)
         case _:
             retry_after, code = usage.month_resets_in, "insufficient_quota"
             message = _window_message(
-                "Monthly token budget exhausted",
+                f"Monthly token budget exhausted{of_key}",
                 limits.monthly_token_budget or 0,
                 usage.tokens_this_month,
                 requested_tokens,
@@ -100,4 +116,15 @@ def quota_exceeded(decision: Decision, requested_tokens: int, requested_slots: i
         code=code,
         type="rate_limit_error" if code == "rate_limit_exceeded" else code,
         headers=headers,
+    )
+
+
+def _spend_message(of_key: str, limits: QuotaLimits, usage: QuotaUsage, requested: int) -> str:
+    """The monthly spend budget's message, in dollars; the request's reservation is its most it can cost."""
+    budget, spent = limits.monthly_spend_budget_micros or 0, usage.spend_this_month
+    return (
+        f"Monthly spend budget exhausted{of_key}: limit ${format_dollars(budget)}, "
+        f"spent ${format_dollars(spent)}, remaining ${format_dollars(max(0, budget - spent))}, "
+        f"this request may cost up to ${format_dollars(requested)}; "
+        f"resets in {format_reset(usage.month_resets_in)}"
     )

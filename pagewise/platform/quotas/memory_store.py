@@ -5,7 +5,7 @@ Invariants:
   the same guarantee the Redis store gets from Lua.
 - A tenant's concurrency is the sum of the slots of its live leases (`leases`: reservation id → lease);
   there is no separate counter that could drift from it. An expired lease is dropped, all its slots at
-  once, before anything is read.
+  once, before anything is read. A key's counters (same shape, keyed by its id) never hold leases.
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from dataclasses import dataclass, field
 from pagewise.platform.quotas.quota_store import (
     DEFAULT_LEASE_S,
     Decision,
+    KeyQuota,
     QuotaLimits,
     QuotaUsage,
     QuotaWindows,
+    Rejection,
     Reservation,
+    ScopeState,
+    SpendRate,
     check_request_size,
     first_rejection,
 )
@@ -33,12 +37,13 @@ class _Lease:
 
 
 @dataclass(slots=True)
-class _TenantCounters:
+class _Counters:
     minute: int = -1
     month: str = ""
     requests_this_minute: int = 0
     tokens_this_minute: int = 0
     tokens_this_month: int = 0
+    spend_this_month: int = 0
     leases: dict[str, _Lease] = field(default_factory=dict)
 
     def roll(self, windows: QuotaWindows) -> None:
@@ -46,7 +51,7 @@ class _TenantCounters:
         if windows.minute != self.minute:
             self.minute, self.requests_this_minute, self.tokens_this_minute = windows.minute, 0, 0
         if windows.month != self.month:
-            self.month, self.tokens_this_month = windows.month, 0
+            self.month, self.tokens_this_month, self.spend_this_month = windows.month, 0, 0
 
     def expire(self, now: float) -> None:
         """Release the slots of leases that ran out (their holder crashed or never reconciled)."""
@@ -57,43 +62,79 @@ class _TenantCounters:
     def slots_held(self) -> int:
         return sum(lease.slots for lease in self.leases.values())
 
+    def rejection(self, limits: QuotaLimits, tokens: int, slots: int, spend: int) -> Rejection | None:
+        return first_rejection(
+            limits,
+            tokens,
+            slots,
+            self.slots_held,
+            self.requests_this_minute,
+            self.tokens_this_minute,
+            self.tokens_this_month,
+            spend,
+            self.spend_this_month,
+        )
+
+    def take(self, tokens: int, spend: int) -> None:
+        self.requests_this_minute += 1
+        self.tokens_this_minute += tokens
+        self.tokens_this_month += tokens
+        self.spend_this_month += spend
+
+    def give_back(self, reservation: Reservation, tokens_delta: int, spend_delta: int) -> None:
+        """Correct the windows the reservation was counted in, if they are still the current ones."""
+        if reservation.minute == self.minute:
+            self.tokens_this_minute += tokens_delta
+        if reservation.month == self.month:
+            self.tokens_this_month += tokens_delta
+            self.spend_this_month += spend_delta
+
 
 class InProcessQuotaStore:
     def __init__(self, clock: Callable[[], float] = time.time, lease_s: float = DEFAULT_LEASE_S) -> None:
         self._clock = clock
         self.lease_s = lease_s
-        self._tenants: dict[str, _TenantCounters] = {}
+        self._scopes: dict[str, _Counters] = {}
 
-    def _counters(self, tenant_id: str) -> tuple[_TenantCounters, QuotaWindows, float]:
+    def _counters(self, scope_id: str) -> tuple[_Counters, QuotaWindows, float]:
         now = self._clock()
         windows = QuotaWindows.at(now)
-        counters = self._tenants.setdefault(tenant_id, _TenantCounters())
+        counters = self._scopes.setdefault(scope_id, _Counters())
         counters.roll(windows)
         counters.expire(now)
         return counters, windows, now
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str, *, slots: int = 1
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        tokens: int,
+        reservation_id: str,
+        *,
+        slots: int = 1,
+        key: KeyQuota | None = None,
+        rate: SpendRate | None = None,
     ) -> Decision:
         check_request_size(tokens, slots)
+        spend = 0 if rate is None else rate.cost(tokens)
         c, windows, now = self._counters(tenant_id)
-        rejected = first_rejection(
-            limits,
-            tokens,
-            slots,
-            c.slots_held,
-            c.requests_this_minute,
-            c.tokens_this_minute,
-            c.tokens_this_month,
-        )
+        k = None if key is None else self._counters(key.key_id)[0]
+        rejected, scope = c.rejection(limits, tokens, slots, spend), "tenant"
+        if rejected is None and k is not None and key is not None:
+            rejected = k.rejection(key.limits, tokens, 0, spend)
+            scope = "tenant" if rejected is None else "key"
         reservation = None
         if rejected is None:
-            c.requests_this_minute += 1
-            c.tokens_this_minute += tokens
-            c.tokens_this_month += tokens
+            c.take(tokens, spend)
             c.leases[reservation_id] = _Lease(now + self.lease_s, slots)
-            reservation = Reservation(reservation_id, tenant_id, tokens, windows.minute, windows.month, slots)
-        return Decision(reservation, rejected, self._snapshot(c, windows), limits)
+            if k is not None:
+                k.take(tokens, spend)
+            key_id = None if key is None else key.key_id
+            reservation = Reservation(
+                reservation_id, tenant_id, tokens, windows.minute, windows.month, slots, key_id, spend, rate
+            )
+        key_state = None if k is None or key is None else ScopeState(key.limits, self._snapshot(k, windows))
+        return Decision(reservation, rejected, self._snapshot(c, windows), limits, scope, key_state)
 
     async def renew(self, reservation: Reservation) -> bool:
         c, _, now = self._counters(reservation.tenant_id)
@@ -107,22 +148,21 @@ class InProcessQuotaStore:
         c, _, _ = self._counters(reservation.tenant_id)
         if c.leases.pop(reservation.id, None) is None:
             return False
-        delta = actual_tokens - reservation.tokens
-        if reservation.minute == c.minute:
-            c.tokens_this_minute += delta
-        if reservation.month == c.month:
-            c.tokens_this_month += delta
+        tokens_delta, spend_delta = actual_tokens - reservation.tokens, reservation.spend_delta(actual_tokens)
+        c.give_back(reservation, tokens_delta, spend_delta)
+        if reservation.key_id is not None:
+            self._counters(reservation.key_id)[0].give_back(reservation, tokens_delta, spend_delta)
         return True
 
-    async def usage(self, tenant_id: str) -> QuotaUsage:
-        c, windows, _ = self._counters(tenant_id)
+    async def usage(self, scope_id: str) -> QuotaUsage:
+        c, windows, _ = self._counters(scope_id)
         return self._snapshot(c, windows)
 
     async def close(self) -> None:
-        self._tenants.clear()
+        self._scopes.clear()
 
     @staticmethod
-    def _snapshot(c: _TenantCounters, windows: QuotaWindows) -> QuotaUsage:
+    def _snapshot(c: _Counters, windows: QuotaWindows) -> QuotaUsage:
         return QuotaUsage(
             concurrent=c.slots_held,
             outstanding=len(c.leases),
@@ -131,4 +171,5 @@ class InProcessQuotaStore:
             tokens_this_month=c.tokens_this_month,
             minute_resets_in=windows.minute_resets_in,
             month_resets_in=windows.month_resets_in,
+            spend_this_month=c.spend_this_month,
         )

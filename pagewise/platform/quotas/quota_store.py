@@ -2,8 +2,15 @@
 
 Semantics (both stores, same tests):
 - Windows are fixed: requests and tokens per UTC minute, the token budget per UTC calendar month.
-- `reserve` checks every limit and, only if all pass, takes one request, `slots` concurrency slots and
-  `tokens` tokens in one atomic step. A rejection changes nothing.
+- `reserve` checks every limit and, only if all pass, takes one request, `slots` concurrency slots,
+  `tokens` tokens and the reservation's spend in one atomic step. A rejection changes nothing.
+- Two scopes: the tenant's counters, and, for a key with limits of its own (`KeyQuota`), the key's counters
+  (requests, tokens, monthly tokens and spend; concurrency is the tenant's only). Both are checked and taken
+  in the same atomic step, tenant first, and `Decision.scope` names the scope that refused.
+- Spend is integer micro-dollars per UTC calendar month. A reservation holds `SpendRate.cost(tokens)`: its
+  prompt at the input price and the rest at the output price — at least what it can be billed, as cached
+  tokens cost no more than input ones. `reconcile` replaces it by `SpendRate.cost(actual_tokens)` (prompt
+  tokens first), so the counter is an upper bound of the settled cost, not the bill itself (`requests.cost_micros`).
 - A tenant's concurrency is the sum of the slots of its live leases; `max_concurrent_requests` bounds that
   sum, so a request holding k slots (e.g. k sequences) counts k times.
 - `reconcile` releases all the reservation's slots and replaces the reserved tokens by the real count,
@@ -23,23 +30,48 @@ from typing import Literal, Protocol
 
 import msgspec
 
-Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget"]
+from pagewise.platform.billing.money import micros_for
+
+Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget", "monthly_spend"]
+Scope = Literal["tenant", "key"]
 DEFAULT_LEASE_S = 60.0  # the heartbeat renews live leases every third of this
 
 
 class QuotaLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """A tenant's limits; `None` means unlimited."""
+    """A tenant's (or a key's) limits; `None` means unlimited. Spend is in micro-dollars."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     monthly_token_budget: int | None = None
     max_concurrent_requests: int | None = None
+    monthly_spend_budget_micros: int | None = None
+
+
+class KeyQuota(msgspec.Struct, frozen=True):
+    """An API key's own limits, counted under `key_id` on top of its tenant's (never concurrency)."""
+
+    key_id: str
+    limits: QuotaLimits
+
+
+class SpendRate(msgspec.Struct, frozen=True):
+    """How a reservation's tokens count as spend: the first `prompt_tokens` at the input price, the rest at
+    the output price (micro-dollars per million tokens)."""
+
+    prompt_tokens: int
+    input_per_mtok_micros: int
+    output_per_mtok_micros: int
+
+    def cost(self, tokens: int) -> int:
+        prompt = min(tokens, self.prompt_tokens)
+        return micros_for(prompt * self.input_per_mtok_micros + (tokens - prompt) * self.output_per_mtok_micros)
 
 
 class Reservation(msgspec.Struct, frozen=True):
-    """What one admitted request holds: `tokens`, and `slots` concurrency slots (at least 1).
+    """What one admitted request holds: `tokens`, `slots` concurrency slots (at least 1) and `spend`
+    micro-dollars (`rate.cost(tokens)`; 0 without a rate), counted for its tenant and, with `key_id`, its key.
 
-    `minute` and `month` name the windows its tokens were counted in.
+    `minute` and `month` name the windows its tokens and spend were counted in.
     """
 
     id: str
@@ -48,6 +80,13 @@ class Reservation(msgspec.Struct, frozen=True):
     minute: int
     month: str
     slots: int = 1
+    key_id: str | None = None
+    spend: int = 0
+    rate: SpendRate | None = None
+
+    def spend_delta(self, actual_tokens: int) -> int:
+        """What `reconcile` adds to the spend counters: the settled estimate minus what was reserved."""
+        return 0 if self.rate is None else self.rate.cost(actual_tokens) - self.spend
 
 
 class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,15 +103,31 @@ class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):
     tokens_this_month: int
     minute_resets_in: float
     month_resets_in: float
+    spend_this_month: int = 0
+
+
+class ScopeState(msgspec.Struct, frozen=True):
+    """One scope's limits and counters in a decision."""
+
+    limits: QuotaLimits
+    usage: QuotaUsage
 
 
 class Decision(msgspec.Struct, frozen=True):
-    """The outcome of `reserve`: a reservation, or what rejected it. `usage` is after the decision."""
+    """The outcome of `reserve`: a reservation, or what rejected it. `usage` and `limits` are the tenant's,
+    `key` the key's (when it has limits), all after the decision; `scope` names the scope that refused."""
 
     reservation: Reservation | None
     rejected_by: Rejection | None
     usage: QuotaUsage
     limits: QuotaLimits
+    scope: Scope = "tenant"
+    key: ScopeState | None = None
+
+    @property
+    def refusing(self) -> ScopeState:
+        """The limits and counters of the scope that refused (the tenant's when none did)."""
+        return self.key if self.scope == "key" and self.key is not None else ScopeState(self.limits, self.usage)
 
 
 class QuotaStore(Protocol):
@@ -80,9 +135,18 @@ class QuotaStore(Protocol):
     """How long a reservation holds its slot without `renew`."""
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str, *, slots: int = 1
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        tokens: int,
+        reservation_id: str,
+        *,
+        slots: int = 1,
+        key: KeyQuota | None = None,
+        rate: SpendRate | None = None,
     ) -> Decision:
-        """Take one request, `slots` slots and `tokens` tokens if every limit allows it; else change nothing.
+        """Take one request, `slots` slots, `tokens` tokens and their spend at `rate` for the tenant (and `key`)
+        if every limit allows it; else change nothing.
 
         Raises `ValueError` for `tokens < 0` or `slots < 1` (a caller's bug, not a user's error).
         """
@@ -94,7 +158,9 @@ class QuotaStore(Protocol):
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool: ...
 
-    async def usage(self, tenant_id: str) -> QuotaUsage: ...
+    async def usage(self, scope_id: str) -> QuotaUsage:
+        """The counters of a tenant (or, by its id, a key: no leases, so no concurrency)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -137,10 +203,14 @@ def first_rejection(
     requests: int,
     minute_tokens: int,
     month_tokens: int,
+    spend: int = 0,
+    month_spend: int = 0,
 ) -> Rejection | None:
-    """Which limit admitting one request of `tokens` tokens and `slots` slots would break; `None` if none.
+    """Which limit admitting one request of `tokens` tokens, `slots` slots and `spend` micro-dollars would
+    break; `None` if none.
 
-    Checked in a fixed order (the Redis script keeps the same one): concurrency, requests, tokens, budget.
+    Checked in a fixed order (the Redis script keeps the same one): concurrency, requests, tokens, budget,
+    spend.
     """
     if limits.max_concurrent_requests is not None and concurrent + slots > limits.max_concurrent_requests:
         return "concurrency"
@@ -150,4 +220,7 @@ def first_rejection(
         return "tokens"
     if limits.monthly_token_budget is not None and month_tokens + tokens > limits.monthly_token_budget:
         return "monthly_budget"
+    budget = limits.monthly_spend_budget_micros
+    if budget is not None and month_spend + spend > budget:
+        return "monthly_spend"
     return None

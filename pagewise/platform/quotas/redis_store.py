@@ -1,13 +1,15 @@
 """The Redis quota store (used when `PAGEWISE_REDIS_URL` is set). Each operation is one Lua script: atomic.
 
 Keys per tenant under the configured prefix: `req:<minute>` and `tok:<minute>` (expire after two minutes),
-`month:<YYYYMM>` (expires after the month), and two sorted sets scored by a lease's expiry (unix seconds):
-`leases` holds one member per outstanding reservation (its id), `slots` one member per slot it holds
-(`<id>:0` … `<id>:<k-1>`). Both are always written together with the same score, so a reservation and its
-slots expire, renew and go together. A tenant's concurrency is `ZCARD slots`: every script first drops
-expired members from both (`ZREMRANGEBYSCORE -inf now`), so the slots of a crashed process come back once
-its lease runs out. Exactly-once reconciliation rests on `ZREM leases <id>` returning 1 only the first
-time. Both sets expire one lease after their newest write, so an idle tenant leaves nothing behind.
+`month:<YYYYMM>` and `spend:<YYYYMM>` (expire after the month), and two sorted sets scored by a lease's
+expiry (unix seconds): `leases` holds one member per outstanding reservation (its id), `slots` one member
+per slot it holds (`<id>:0` … `<id>:<k-1>`). Both are always written together with the same score, so a
+reservation and its slots expire, renew and go together. A tenant's concurrency is `ZCARD slots`: every
+script first drops expired members from both (`ZREMRANGEBYSCORE -inf now`), so the slots of a crashed
+process come back once its lease runs out. Exactly-once reconciliation rests on `ZREM leases <id>` returning
+1 only the first time. Both sets expire one lease after their newest write, so an idle tenant leaves nothing
+behind. A key with limits of its own has the same four counters under its id (never leases); they are checked
+and taken in the tenant's script, and adjusted by its reconcile only when that reconcile removed the lease.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import redis.asyncio as redis
 from pagewise.platform.quotas.quota_store import (
     DEFAULT_LEASE_S,
     Decision,
+    KeyQuota,
     QuotaLimits,
     QuotaUsage,
     QuotaWindows,
     Rejection,
     Reservation,
+    ScopeState,
+    SpendRate,
     check_request_size,
 )
 
@@ -47,34 +52,60 @@ local function write_lease(leases, slots, id, k, expiry, lease)
 end
 """
 
-# KEYS: leases, slots, req, tok, month · ARGV: max_conc, rpm, tpm, budget (-1 = unlimited), tokens, id,
-#       minute ttl, month ttl, now, lease seconds, slots
-_RESERVE = _LEASE_FUNCTIONS + """
-local now, lease, k = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+_COUNTER_FUNCTIONS = """
+local function over(limit, used, amount)
+  local l = tonumber(limit)
+  return l >= 0 and used + amount > l
+end
+local function counters(first)
+  local r = {}
+  for i = 0, 3 do r[i + 1] = tonumber(redis.call('GET', KEYS[first + i]) or '0') end
+  return r
+end
+local function rejection(first_limit, c, tokens, cost)
+  if over(ARGV[first_limit], c[1], 1) then return 'requests' end
+  if over(ARGV[first_limit + 1], c[2], tokens) then return 'tokens' end
+  if over(ARGV[first_limit + 2], c[3], tokens) then return 'monthly_budget' end
+  if over(ARGV[first_limit + 3], c[4], cost) then return 'monthly_spend' end
+  return ''
+end
+local function take(first, tokens, cost, minute_ttl, month_ttl)
+  local r = {redis.call('INCR', KEYS[first]), redis.call('INCRBY', KEYS[first + 1], tokens),
+             redis.call('INCRBY', KEYS[first + 2], tokens), redis.call('INCRBY', KEYS[first + 3], cost)}
+  redis.call('EXPIRE', KEYS[first], minute_ttl)
+  redis.call('EXPIRE', KEYS[first + 1], minute_ttl)
+  redis.call('EXPIRE', KEYS[first + 2], month_ttl)
+  redis.call('EXPIRE', KEYS[first + 3], month_ttl)
+  return r
+end
+"""
+
+# KEYS: leases, slots, then req, tok, month, spend of the tenant and (with a key) of the key
+# ARGV: max_conc, then rpm, tpm, budget, spend budget of the tenant (2-5) and of the key (6-9) (-1 = unlimited),
+#       tokens, spend, id, minute ttl, month ttl, now, lease seconds, slots, has key
+_RESERVE = _LEASE_FUNCTIONS + _COUNTER_FUNCTIONS + """
+local tokens, cost = tonumber(ARGV[10]), tonumber(ARGV[11])
+local now, lease, k = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
+local has_key = ARGV[18] == '1'
 drop_expired(KEYS[1], KEYS[2], now)
 local conc = redis.call('ZCARD', KEYS[2])
 local outstanding = redis.call('ZCARD', KEYS[1])
-local reqs = tonumber(redis.call('GET', KEYS[3]) or '0')
-local toks = tonumber(redis.call('GET', KEYS[4]) or '0')
-local month = tonumber(redis.call('GET', KEYS[5]) or '0')
-local tokens = tonumber(ARGV[5])
-local rejected = ''
-if tonumber(ARGV[1]) >= 0 and conc + k > tonumber(ARGV[1]) then rejected = 'concurrency'
-elseif tonumber(ARGV[2]) >= 0 and reqs + 1 > tonumber(ARGV[2]) then rejected = 'requests'
-elseif tonumber(ARGV[3]) >= 0 and toks + tokens > tonumber(ARGV[3]) then rejected = 'tokens'
-elseif tonumber(ARGV[4]) >= 0 and month + tokens > tonumber(ARGV[4]) then rejected = 'monthly_budget'
+local t = counters(3)
+local kc = {0, 0, 0, 0}
+if has_key then kc = counters(7) end
+local rejected, scope = '', 'tenant'
+if over(ARGV[1], conc, k) then rejected = 'concurrency' else rejected = rejection(2, t, tokens, cost) end
+if rejected == '' and has_key then
+  rejected = rejection(6, kc, tokens, cost)
+  if rejected ~= '' then scope = 'key' end
 end
 if rejected == '' then
-  write_lease(KEYS[1], KEYS[2], ARGV[6], k, now + lease, lease)
+  write_lease(KEYS[1], KEYS[2], ARGV[12], k, now + lease, lease)
   conc, outstanding = conc + k, outstanding + 1
-  reqs = redis.call('INCR', KEYS[3])
-  redis.call('EXPIRE', KEYS[3], ARGV[7])
-  toks = redis.call('INCRBY', KEYS[4], tokens)
-  redis.call('EXPIRE', KEYS[4], ARGV[7])
-  month = redis.call('INCRBY', KEYS[5], tokens)
-  redis.call('EXPIRE', KEYS[5], ARGV[8])
+  t = take(3, tokens, cost, ARGV[13], ARGV[14])
+  if has_key then kc = take(7, tokens, cost, ARGV[13], ARGV[14]) end
 end
-return {rejected, conc, outstanding, reqs, toks, month}
+return {rejected, scope, conc, outstanding, t[1], t[2], t[3], t[4], kc[1], kc[2], kc[3], kc[4]}
 """
 
 # KEYS: leases, slots · ARGV: id, now, lease seconds, slots
@@ -86,16 +117,22 @@ write_lease(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[4]), now + lease, lease)
 return 1
 """
 
-# KEYS: leases, slots, tok (reservation's minute), month (reservation's month)
-# ARGV: id, reserved, actual, now, slots
+# KEYS: leases, slots, then tok (the reservation's minute), month, spend (its month) of the tenant and (with a
+#       key) of the key · ARGV: id, reserved, actual, now, slots, spend delta, has key
 _RECONCILE = _LEASE_FUNCTIONS + """
 drop_expired(KEYS[1], KEYS[2], ARGV[4])
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 for i = 0, tonumber(ARGV[5]) - 1 do redis.call('ZREM', KEYS[2], ARGV[1] .. ':' .. i) end
-local delta = tonumber(ARGV[3]) - tonumber(ARGV[2])
-if delta ~= 0 then
-  if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('INCRBY', KEYS[3], delta) end
-  if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], delta) end
+local delta, spend_delta = tonumber(ARGV[3]) - tonumber(ARGV[2]), tonumber(ARGV[6])
+local function adjust(key, d)
+  if d ~= 0 and redis.call('EXISTS', key) == 1 then redis.call('INCRBY', key, d) end
+end
+local last = 5
+if ARGV[7] == '1' then last = 8 end
+for first = 3, last, 3 do
+  adjust(KEYS[first], delta)
+  adjust(KEYS[first + 1], delta)
+  adjust(KEYS[first + 2], spend_delta)
 end
 return 1
 """
@@ -103,6 +140,31 @@ return 1
 
 def _limit(value: int | None) -> int:
     return -1 if value is None else value
+
+
+def _window_limits(limits: QuotaLimits) -> list[int]:
+    """The script's limits of one scope, in its order: requests, tokens, month tokens, month spend."""
+    return [
+        _limit(limits.requests_per_minute),
+        _limit(limits.tokens_per_minute),
+        _limit(limits.monthly_token_budget),
+        _limit(limits.monthly_spend_budget_micros),
+    ]
+
+
+def _usage(concurrent: int, outstanding: int, counts: list, w: QuotaWindows) -> QuotaUsage:
+    """A snapshot from one scope's four counters (requests, tokens, month tokens, month spend)."""
+    reqs, toks, month, spend = (int(v or 0) for v in counts)
+    return QuotaUsage(
+        concurrent=concurrent,
+        outstanding=outstanding,
+        requests_this_minute=reqs,
+        tokens_this_minute=toks,
+        tokens_this_month=month,
+        minute_resets_in=w.minute_resets_in,
+        month_resets_in=w.month_resets_in,
+        spend_this_month=spend,
+    )
 
 
 class RedisQuotaStore:
@@ -136,44 +198,52 @@ class RedisQuotaStore:
     def _key(self, tenant_id: str, name: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{name}"
 
+    def _counter_keys(self, scope_id: str, w: QuotaWindows) -> list[str]:
+        names = (f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}", f"spend:{w.month}")
+        return [self._key(scope_id, n) for n in names]
+
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, reservation_id: str, *, slots: int = 1
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        tokens: int,
+        reservation_id: str,
+        *,
+        slots: int = 1,
+        key: KeyQuota | None = None,
+        rate: SpendRate | None = None,
     ) -> Decision:
         check_request_size(tokens, slots)
+        spend = 0 if rate is None else rate.cost(tokens)
         now = self._clock()
         w = QuotaWindows.at(now)
-        keys = [
-            self._key(tenant_id, k)
-            for k in ("leases", "slots", f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
-        ]
+        keys = [self._key(tenant_id, "leases"), self._key(tenant_id, "slots"), *self._counter_keys(tenant_id, w)]
+        key_limits = QuotaLimits() if key is None else key.limits
+        if key is not None:
+            keys += self._counter_keys(key.key_id, w)
         args = [
             _limit(limits.max_concurrent_requests),
-            _limit(limits.requests_per_minute),
-            _limit(limits.tokens_per_minute),
-            _limit(limits.monthly_token_budget),
+            *_window_limits(limits),
+            *_window_limits(key_limits),
             tokens,
+            spend,
             reservation_id,
             _MINUTE_TTL_S,
             math.ceil(w.month_resets_in) + _MONTH_EXTRA_TTL_S,
             repr(now),
             self.lease_s,
             slots,
+            int(key is not None),
         ]
-        rejected, conc, outstanding, reqs, toks, month = await self._reserve(keys=keys, args=args)
+        rejected, scope, conc, outstanding, *counts = await self._reserve(keys=keys, args=args)
         rejected_by: Rejection | None = rejected or None
         reservation = None
         if rejected_by is None:
-            reservation = Reservation(reservation_id, tenant_id, tokens, w.minute, w.month, slots)
-        usage = QuotaUsage(
-            concurrent=int(conc),
-            outstanding=int(outstanding),
-            requests_this_minute=int(reqs),
-            tokens_this_minute=int(toks),
-            tokens_this_month=int(month),
-            minute_resets_in=w.minute_resets_in,
-            month_resets_in=w.month_resets_in,
-        )
-        return Decision(reservation, rejected_by, usage, limits)
+            key_id = None if key is None else key.key_id
+            reservation = Reservation(reservation_id, tenant_id, tokens, w.minute, w.month, slots, key_id, spend, rate)
+        usage = _usage(int(conc), int(outstanding), counts[:4], w)
+        key_state = None if key is None else ScopeState(key.limits, _usage(0, 0, counts[4:], w))
+        return Decision(reservation, rejected_by, usage, limits, scope, key_state)
 
     async def renew(self, reservation: Reservation) -> bool:
         keys = [self._key(reservation.tenant_id, "leases"), self._key(reservation.tenant_id, "slots")]
@@ -181,36 +251,35 @@ class RedisQuotaStore:
         return bool(await self._renew(keys=keys, args=args))
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
-        t = reservation.tenant_id
-        keys = [
-            self._key(t, "leases"),
-            self._key(t, "slots"),
-            self._key(t, f"tok:{reservation.minute}"),
-            self._key(t, f"month:{reservation.month}"),
+        t, month = reservation.tenant_id, reservation.month
+        keys = [self._key(t, "leases"), self._key(t, "slots")]
+        for scope_id in (t, reservation.key_id) if reservation.key_id is not None else (t,):
+            keys += [
+                self._key(scope_id, f"tok:{reservation.minute}"),
+                self._key(scope_id, f"month:{month}"),
+                self._key(scope_id, f"spend:{month}"),
+            ]
+        args = [
+            reservation.id,
+            reservation.tokens,
+            actual_tokens,
+            repr(self._clock()),
+            reservation.slots,
+            reservation.spend_delta(actual_tokens),
+            int(reservation.key_id is not None),
         ]
-        args = [reservation.id, reservation.tokens, actual_tokens, repr(self._clock()), reservation.slots]
         return bool(await self._reconcile(keys=keys, args=args))
 
-    async def usage(self, tenant_id: str) -> QuotaUsage:
+    async def usage(self, scope_id: str) -> QuotaUsage:
         """A read-only snapshot: leases past their expiry are not counted (the next write drops them)."""
         now = self._clock()
         w = QuotaWindows.at(now)
-        names = (f"req:{w.minute}", f"tok:{w.minute}", f"month:{w.month}")
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.mget([self._key(tenant_id, n) for n in names])
-            pipe.zcount(self._key(tenant_id, "slots"), f"({now!r}", "+inf")
-            pipe.zcount(self._key(tenant_id, "leases"), f"({now!r}", "+inf")
+            pipe.mget(self._counter_keys(scope_id, w))
+            pipe.zcount(self._key(scope_id, "slots"), f"({now!r}", "+inf")
+            pipe.zcount(self._key(scope_id, "leases"), f"({now!r}", "+inf")
             values, live_slots, live_leases = await pipe.execute()
-        reqs, toks, month = (int(v or 0) for v in values)
-        return QuotaUsage(
-            concurrent=int(live_slots),
-            outstanding=int(live_leases),
-            requests_this_minute=reqs,
-            tokens_this_minute=toks,
-            tokens_this_month=month,
-            minute_resets_in=w.minute_resets_in,
-            month_resets_in=w.month_resets_in,
-        )
+        return _usage(int(live_slots), int(live_leases), values, w)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -28,6 +28,7 @@ class RequestOut(msgspec.Struct, kw_only=True):
     finished_at: dt.datetime | None
     tenant_id: str
     api_key_id: str | None  # the key that made the request; `None` once that key is deleted
+    trace_id: str | None = None  # its OpenTelemetry trace (32 hex digits) when tracing was on
     object: Literal["request"] = "request"
 
 
@@ -67,6 +68,7 @@ def request_out(row: RequestRecord) -> RequestOut:
         finished_at=row.finished_at,
         tenant_id=row.tenant_id,
         api_key_id=row.api_key_id,
+        trace_id=row.trace_id,
     )
 
 

@@ -4,6 +4,8 @@ finished — never once per token (lease renewals batch many rows into one state
 Invariant: a row reaches a terminal status exactly once. Every final write (`finish`, `fail_orphans`,
 `fail_unfinished`) is guarded on an unfinished status, and `finish` adds to `usage_daily` only when its own
 guarded write won, in the same transaction — so usage counts each request once, whoever finished it.
+The cost is computed there too, from the price in effect at `finished_at`, and the row and its day's usage get
+the same integer; a row a sweep failed billed no tokens and costs nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.platform.billing.prices import price_at, request_cost
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
 from pagewise.protocol import ErrorCode, ErrorInfo, Finished, Usage
@@ -98,18 +101,24 @@ class RequestStore:
             await session.commit()
 
     async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> bool:
-        """The final write and the day's usage, in one transaction. Returns whether this call finished the
-        row: `False` when it was already terminal (finished before, or failed by a sweep) — then nothing changes.
+        """The final write, its cost and the day's usage, in one transaction. Returns whether this call finished
+        the row: `False` when it was already terminal (finished before, or failed by a sweep) — then nothing
+        changes.
         """
         async with self._sessionmaker() as session, session.begin():
+            price = await price_at(session, model, result.finished_at)
+            cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+            price_id = None if price is None else price.id
             outcome = await session.execute(
                 update(RequestRecord)
                 .where(RequestRecord.id == request_id, RequestRecord.status.in_(UNFINISHED_STATUSES))
-                .values(**msgspec.structs.asdict(result))
+                .values(**msgspec.structs.asdict(result), cost_micros=cost, price_id=price_id)
+                .returning(RequestRecord.api_key_id)
             )
-            if outcome.rowcount != 1:
+            won = outcome.first()
+            if won is None:
                 return False
-            await _add_usage(session, tenant_id, model, result)
+            await _add_usage(session, _UsageKey(tenant_id, model, won.api_key_id or ""), result, cost)
         return True
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:
@@ -165,24 +174,34 @@ class RequestStore:
         return outcome.rowcount or 0
 
 
-async def _add_usage(session: AsyncSession, tenant_id: str, model: str, result: FinishedRequest) -> None:
+class _UsageKey(msgspec.Struct, frozen=True):
+    """Which `usage_daily` row (with the day of `finished_at`) a settled request adds to."""
+
+    tenant_id: str
+    model: str
+    api_key_id: str
+
+
+_USAGE_TOTALS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_micros")
+
+
+async def _add_usage(session: AsyncSession, key: _UsageKey, result: FinishedRequest, cost: int) -> None:
     values = {
-        "tenant_id": tenant_id,
-        "day": result.finished_at.date(),
-        "model": model,
+        "tenant_id": key.tenant_id,
+        "day": result.finished_at.astimezone(dt.UTC).date(),
+        "model": key.model,
+        "api_key_id": key.api_key_id,
         "requests": 1,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "cached_tokens": result.cached_tokens,
+        "cost_micros": cost,
     }
     insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
     statement = insert(UsageDaily).values(**values)
-    totals = {
-        k: getattr(UsageDaily, k) + getattr(statement.excluded, k)
-        for k in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
-    }
+    totals = {k: getattr(UsageDaily, k) + getattr(statement.excluded, k) for k in _USAGE_TOTALS}
     await session.execute(
-        statement.on_conflict_do_update(index_elements=["tenant_id", "day", "model"], set_=totals)
+        statement.on_conflict_do_update(index_elements=["tenant_id", "day", "model", "api_key_id"], set_=totals)
     )
 
 

@@ -23,6 +23,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 """A per-minute limit; 0 blocks the dimension."""
 PositiveCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 TokenBudget = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+SpendBudget = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+"""A monthly spend budget in integer micro-dollars (1 USD = 1,000,000)."""
 MAX_WEIGHT = 100.0
 Weight = Annotated[float, msgspec.Meta(gt=0, le=MAX_WEIGHT)]
 """A tenant's scheduling weight (its tier): while tenants are all backlogged, each gets engine time in
@@ -41,6 +43,7 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens_per_request: PositiveCount | None = 4096
     max_n: PositiveCount | None = 8
     weight: Weight = 1.0
+    monthly_spend_budget_micros: SpendBudget | None = None
 
 
 class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -53,6 +56,7 @@ class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens_per_request: PositiveCount | None | UnsetType = UNSET
     max_n: PositiveCount | None | UnsetType = UNSET
     weight: Weight | UnsetType = UNSET
+    monthly_spend_budget_micros: SpendBudget | None | UnsetType = UNSET
 
 
 class TenantOut(msgspec.Struct, kw_only=True):
@@ -66,6 +70,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     max_tokens_per_request: int | None
     max_n: int | None
     weight: float
+    monthly_spend_budget_micros: int | None
     created_at: dt.datetime
     updated_at: dt.datetime
 

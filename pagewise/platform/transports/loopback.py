@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagewise import tracing
 from pagewise.engine.tokenizer import Tokenizer
 from pagewise.protocol import EngineInfo, Event, Finished, Rejected, Submit, WorkerHeartbeat
 from pagewise.worker.host import EngineHost
@@ -64,7 +65,8 @@ class LoopbackTransport:
             if isinstance(event, TERMINAL):
                 asyncio.get_running_loop().call_later(RETAIN_S, self._logs.pop, submit.request_id, None)
 
-        self.host.run(submit, emit)
+        with tracing.enqueue_span(submit, "pagewise.loopback", "engine") as traced:
+            self.host.run(traced, emit)
 
     async def events(self, request_id: str) -> AsyncIterator[Event]:
         log = self._logs.get(request_id)

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as redis
 
+from pagewise import tracing
 from pagewise.engine.tokenizer import Tokenizer
 from pagewise.platform.engine_client import tokenizer_from_spec
 from pagewise.platform.errors import APIError
@@ -170,7 +171,9 @@ class RedisTransport:
 
     async def submit(self, submit: Submit) -> None:
         worker = self.route(submit.tenant_id)
-        await self._redis.xadd(self._keys.submissions(worker.worker_id), {"m": encode(submit)})
+        inbox = self._keys.submissions(worker.worker_id)
+        with tracing.enqueue_span(submit, "redis", inbox) as traced:
+            await self._redis.xadd(inbox, {"m": encode(traced)})
         self._sent_since_beat[worker.worker_id] = self._sent_since_beat.get(worker.worker_id, 0) + 1
 
     async def events(self, request_id: str) -> AsyncIterator[Event]:

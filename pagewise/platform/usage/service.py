@@ -2,6 +2,8 @@
 
 Daily buckets read `usage_daily` (kept in step with finished requests); hourly buckets aggregate finished
 request rows. Every bucket in the range is returned, empty ones included, as OpenAI's Usage API does.
+`cost_micros` is spend in integer micro-dollars, the sum of the requests' settled costs. Grouped by
+`api_key_id`, usage not attributed to a key (recorded before keys were tracked) has `api_key_id` null.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from pagewise.platform.errors import invalid_request
 MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a datetime holds
 UnixTime = Annotated[int | None, QueryParameter(ge=0, le=MAX_UNIX_TIME, description="Unix seconds")]
 BucketWidth = Literal["1d", "1h"]
-GroupField = Literal["tenant_id", "model"]
-TenantGroupField = Literal["model"]  # a tenant sees only its own rows: grouping by tenant means nothing
+GroupField = Literal["tenant_id", "model", "api_key_id"]
+TenantGroupField = Literal["model", "api_key_id"]  # a tenant sees only its own rows: grouping by tenant means nothing
 _WIDTH = {"1d": dt.timedelta(days=1), "1h": dt.timedelta(hours=1)}
 _FINISHED = tuple(s.value for s in RequestStatus if s not in UNFINISHED_STATUSES)
 
@@ -34,8 +36,10 @@ class UsageResult(msgspec.Struct, kw_only=True):
     output_tokens: int = 0
     input_cached_tokens: int = 0
     num_model_requests: int = 0
+    cost_micros: int = 0
     model: str | None = None
     tenant_id: str | None = None
+    api_key_id: str | None = None
     object: Literal["organization.usage.completions.result"] = "organization.usage.completions.result"
 
 
@@ -57,10 +61,12 @@ class _Row(msgspec.Struct):
     start: dt.datetime
     tenant_id: str
     model: str
+    api_key_id: str | None
     requests: int
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cost_micros: int
 
 
 async def usage_page(
@@ -89,6 +95,7 @@ async def usage_page(
         result.input_tokens += row.prompt_tokens
         result.output_tokens += row.completion_tokens
         result.input_cached_tokens += row.cached_tokens
+        result.cost_micros += row.cost_micros
     step_s = int(step.total_seconds())  # bucket bounds in seconds: the last may end past the datetime range
     return UsagePage(
         data=[
@@ -114,10 +121,12 @@ async def _daily_rows(
             dt.datetime.combine(u.day, dt.time(), dt.UTC),
             u.tenant_id,
             u.model,
+            u.api_key_id or None,
             u.requests,
             u.prompt_tokens,
             u.completion_tokens,
             u.cached_tokens,
+            u.cost_micros,
         )
         for u in (await session.scalars(query)).all()
         if dt.datetime.combine(u.day, dt.time(), dt.UTC) < end
@@ -131,9 +140,11 @@ async def _hourly_rows(
         RequestRecord.finished_at,
         RequestRecord.tenant_id,
         RequestRecord.model,
+        RequestRecord.api_key_id,
         RequestRecord.prompt_tokens,
         RequestRecord.completion_tokens,
         RequestRecord.cached_tokens,
+        RequestRecord.cost_micros,
     )
     query = select(*columns).where(
         RequestRecord.status.in_(_FINISHED),
@@ -143,6 +154,6 @@ async def _hourly_rows(
     if tenant_id is not None:
         query = query.where(RequestRecord.tenant_id == tenant_id)
     return [
-        _Row(_floor(as_utc(finished), "1h"), tenant, model, 1, prompt, completion, cached)
-        for finished, tenant, model, prompt, completion, cached in (await session.execute(query)).all()
+        _Row(_floor(as_utc(finished), "1h"), tenant, model, key, 1, prompt, completion, cached, cost)
+        for finished, tenant, model, key, prompt, completion, cached, cost in (await session.execute(query)).all()
     ]

@@ -34,6 +34,7 @@ needs_docker_compose = pytest.mark.skipif(
 )
 SETTINGS_VARIABLES = {f"PAGEWISE_{f.upper()}" for f in (*Settings.__struct_fields__, *EngineSettings.__struct_fields__)}
 SETTINGS_VARIABLES.discard("PAGEWISE_ENGINE")  # the struct of engine flags, read as its own variables
+OTEL_VARIABLES = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_SDK_DISABLED"}
 
 
 def _compose(*args: str) -> subprocess.CompletedProcess[str]:
@@ -74,7 +75,9 @@ def test_each_pagewise_command_parses_with_the_pagewise_cli(service: str) -> Non
 @pytest.mark.parametrize("service", sorted(pagewise_services(compose_stack())))
 def test_each_pagewise_variable_is_a_setting_with_a_valid_value(service: str) -> None:
     environment: dict[str, str] = pagewise_services(compose_stack())[service]["environment"]
-    assert set(environment) <= SETTINGS_VARIABLES, set(environment) - SETTINGS_VARIABLES
+    ours = {name for name in environment if not name.startswith("OTEL_")}  # OpenTelemetry's own (tracing)
+    assert ours <= SETTINGS_VARIABLES, ours - SETTINGS_VARIABLES
+    assert set(environment) - ours <= OTEL_VARIABLES, set(environment) - ours - OTEL_VARIABLES
     Settings.from_env(environment)  # SettingsError names a malformed value
 
 

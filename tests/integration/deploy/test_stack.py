@@ -27,8 +27,10 @@ START_TIMEOUT_S = 300
 
 
 def _local_environment(environment: dict[str, str], database_url: str, prefix: str) -> dict[str, str]:
-    """The service's variables with compose's hostnames mapped to this machine."""
-    local = {key: value.replace("redis:6379", REDIS_HOST) for key, value in environment.items()}
+    """The service's variables with compose's hostnames mapped to this machine (no collector runs here, so the
+    OTLP endpoint is dropped: tracing is tested on its own, `tests/integration/tracing`)."""
+    local = {key: value.replace("redis:6379", REDIS_HOST) for key, value in environment.items()
+             if not key.startswith("OTEL_")}
     local["PAGEWISE_DATABASE_URL"] = database_url
     local["PAGEWISE_REDIS_KEY_PREFIX"] = prefix
     return local

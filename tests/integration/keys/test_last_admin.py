@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
 from pagewise.platform.db.models import ApiKey, Tenant
-from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService

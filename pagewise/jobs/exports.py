@@ -1,0 +1,186 @@
+"""Monthly billing exports: one CSV and one JSONL file per revision of a (tenant, period).
+
+Invariants:
+- The files are a pure function of the tenant's `usage_daily` rows of the month (the source of truth): one row
+  per key × model × day, sorted, then one `total` row. Nothing else (no clock, no id) goes into them, so a
+  rerun on unchanged usage gives byte-identical files.
+- Idempotent per (tenant, period): when the files would hash as the latest revision's, that revision is the
+  answer and nothing is written; otherwise revision + 1 is written — files first (atomically, by rename), row
+  last. A job killed in between leaves files and no row; its rerun writes the same files and the row. Exports of
+  one tenant are serialized by a row lock on the tenant, so two runs never race for a revision.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pagewise.platform.billing.money import format_dollars
+from pagewise.platform.db.ids import new_id
+from pagewise.platform.db.models import BillingExport, Tenant, UsageDaily
+
+PERIOD = re.compile(r"(\d{4})-(0[1-9]|1[0-2])")
+COLUMNS = (
+    "kind",
+    "tenant_id",
+    "period",
+    "api_key_id",
+    "model",
+    "day",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "cost_micros",
+    "cost_usd",
+)
+_TOTALS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros")
+
+
+class ExportError(ValueError):
+    """A request for an export that cannot exist (unknown tenant, malformed or future period)."""
+
+
+def month_bounds(period: str, today: dt.date) -> tuple[dt.date, dt.date]:
+    """First day of `period` (`YYYY-MM`) and of the month after; an `ExportError` unless it has begun."""
+    match = PERIOD.fullmatch(period)
+    if match is None:
+        raise ExportError(f"period must be a month as YYYY-MM; got {period!r}")
+    first = dt.date(int(match.group(1)), int(match.group(2)), 1)
+    if first > today:
+        raise ExportError(f"period {period} has not begun yet")
+    following = (first + dt.timedelta(days=32)).replace(day=1)
+    return first, following
+
+
+@dataclass(frozen=True, slots=True)
+class ExportFiles:
+    csv: bytes
+    jsonl: bytes
+
+    @property
+    def hashes(self) -> tuple[str, str]:
+        return hashlib.sha256(self.csv).hexdigest(), hashlib.sha256(self.jsonl).hexdigest()
+
+
+def _records(tenant_id: str, period: str, usage: list[UsageDaily]) -> list[dict[str, object]]:
+    """The export's records: usage rows (already sorted), then the totals."""
+    records: list[dict[str, object]] = [
+        {
+            "kind": "usage",
+            "tenant_id": tenant_id,
+            "period": period,
+            "api_key_id": u.api_key_id,
+            "model": u.model,
+            "day": u.day.isoformat(),
+            "requests": u.requests,
+            "prompt_tokens": u.prompt_tokens,
+            "cached_tokens": u.cached_tokens,
+            "completion_tokens": u.completion_tokens,
+            "cost_micros": u.cost_micros,
+            "cost_usd": format_dollars(u.cost_micros),
+        }
+        for u in usage
+    ]
+    totals = {k: sum(int(r[k]) for r in records) for k in _TOTALS}  # type: ignore[call-overload]
+    records.append(
+        {
+            "kind": "total",
+            "tenant_id": tenant_id,
+            "period": period,
+            "api_key_id": "",
+            "model": "",
+            "day": "",
+            **totals,
+            "cost_usd": format_dollars(totals["cost_micros"]),
+        }
+    )
+    return records
+
+
+def render(tenant_id: str, period: str, usage: list[UsageDaily]) -> ExportFiles:
+    """The CSV and JSONL bytes for `usage` (sorted by key, model, day)."""
+    records = _records(tenant_id, period, usage)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    jsonl = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+    return ExportFiles(text.getvalue().encode(), jsonl.encode())
+
+
+def export_paths(export_dir: Path, export: BillingExport) -> tuple[Path, Path]:
+    """Where a revision's CSV and JSONL files live."""
+    base = export_dir / export.tenant_id / export.period / f"r{export.revision}"
+    return base.with_suffix(".csv"), base.with_suffix(".jsonl")
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(content)
+    os.replace(partial, path)
+
+
+def export_month(session: Session, export_dir: Path, tenant_id: str, period: str, today: dt.date) -> BillingExport:
+    """The export of `tenant_id`'s usage in `period`: the latest revision if its content is unchanged, else a
+    new revision. Commits; raises `ExportError` (and changes nothing) for an unknown tenant or a bad period."""
+    first, following = month_bounds(period, today)
+    with session.begin():
+        tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
+        if tenant is None:
+            raise ExportError(f"no tenant with id {tenant_id!r}")
+        usage = list(
+            session.scalars(
+                select(UsageDaily)
+                .where(UsageDaily.tenant_id == tenant_id, UsageDaily.day >= first, UsageDaily.day < following)
+                .order_by(UsageDaily.api_key_id, UsageDaily.model, UsageDaily.day)
+            )
+        )
+        files = render(tenant_id, period, usage)
+        latest = session.scalar(
+            select(BillingExport)
+            .where(BillingExport.tenant_id == tenant_id, BillingExport.period == period)
+            .order_by(BillingExport.revision.desc())
+            .limit(1)
+        )
+        csv_sha256, jsonl_sha256 = files.hashes
+        if latest is not None and (latest.csv_sha256, latest.jsonl_sha256) == (csv_sha256, jsonl_sha256):
+            return latest
+        export = BillingExport(
+            id=new_id("exp"),
+            tenant_id=tenant_id,
+            period=period,
+            revision=1 if latest is None else latest.revision + 1,
+            num_rows=len(usage),
+            total_cost_micros=sum(u.cost_micros for u in usage),
+            csv_sha256=csv_sha256,
+            jsonl_sha256=jsonl_sha256,
+        )
+        csv_path, jsonl_path = export_paths(export_dir, export)
+        _write_atomically(csv_path, files.csv)
+        _write_atomically(jsonl_path, files.jsonl)
+        session.add(export)
+    return export
+
+
+def tenants_with_usage(session: Session, period: str, today: dt.date) -> list[str]:
+    """The tenants that have usage in `period` (the monthly job exports each)."""
+    first, following = month_bounds(period, today)
+    query = (
+        select(UsageDaily.tenant_id)
+        .where(UsageDaily.day >= first, UsageDaily.day < following)
+        .distinct()
+        .order_by(UsageDaily.tenant_id)
+    )
+    return list(session.scalars(query))

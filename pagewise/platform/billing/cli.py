@@ -1,0 +1,81 @@
+"""`pagewise prices list | set` — registered into the top-level CLI by `register`.
+
+Prices on the command line are dollars per million tokens (`--input 0.15`), converted exactly to micro-dollars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from typing import Any
+
+from pagewise.platform.cli import _command, _sync
+from pagewise.platform.errors import invalid_request
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    prices = subparsers.add_parser("prices", help="model prices (billing)").add_subparsers(
+        dest="prices_command", required=True
+    )
+    listing = _command(prices, "list", _sync(_prices_list), "list price versions, by model, newest first")
+    listing.add_argument("--model")
+    set_price = _command(prices, "set", _sync(_prices_set), "add a price version for a model")
+    set_price.add_argument("model")
+    set_price.add_argument("--input", required=True, help="dollars per million prompt tokens, e.g. 0.15")
+    set_price.add_argument("--output", required=True, help="dollars per million completion tokens")
+    set_price.add_argument("--cached-input", help="dollars per million cached prompt tokens (default: --input)")
+    set_price.add_argument("--effective-from", help="ISO-8601 datetime, UTC unless it has an offset (default: now)")
+
+
+def _dollars(value: str, flag: str) -> int:
+    from pagewise.platform.billing.money import parse_dollars
+
+    try:
+        return parse_dollars(value, flag)
+    except ValueError as error:
+        raise invalid_request(str(error), param=flag) from None
+
+
+def _moment(value: str) -> dt.datetime:
+    try:
+        return dt.datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise invalid_request(
+            f"--effective-from must be an ISO-8601 datetime such as 2030-01-31T00:00:00Z; got {value!r}",
+            param="--effective-from",
+        ) from None
+
+
+def _print_price(price: Any) -> None:
+    from pagewise.platform.billing.money import format_dollars
+    from pagewise.platform.billing.prices import price_out
+
+    out = price_out(price)
+    print(
+        f"{out.id}  {out.model}  from {out.effective_from.isoformat(timespec='seconds')}"
+        f"  input ${format_dollars(out.input_per_mtok_micros)}"
+        f"  cached ${format_dollars(out.cached_input_per_mtok_micros)}"
+        f"  output ${format_dollars(out.output_per_mtok_micros)}  per 1M tokens"
+    )
+
+
+async def _prices_list(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.billing.prices import PriceService
+
+    for price in await PriceService(session).list(args.model):
+        _print_price(price)
+
+
+async def _prices_set(session: Any, args: argparse.Namespace) -> None:
+    from pagewise.platform.billing.prices import PriceService
+    from pagewise.platform.billing.schemas import PriceCreate
+
+    cached = None if args.cached_input is None else _dollars(args.cached_input, "--cached-input")
+    data = PriceCreate(
+        model=args.model,
+        input_per_mtok_micros=_dollars(args.input, "--input"),
+        output_per_mtok_micros=_dollars(args.output, "--output"),
+        cached_input_per_mtok_micros=cached,
+        effective_from=None if args.effective_from is None else _moment(args.effective_from),
+    )
+    _print_price(await PriceService(session).create(data))

@@ -1,0 +1,74 @@
+"""A real `pagewise jobs worker` process on the machine's Redis and a fresh PostgreSQL database (no eager mode),
+and this process's Celery app configured like it, to queue tasks and wait for their results. One of each per
+session: a process's Celery app takes one configuration."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from pagewise.jobs.celery_app import configure
+from pagewise.platform.db.migrate import upgrade_head
+from pagewise.platform.settings import Settings
+
+from ..conftest import REDIS_URL
+
+PAGEWISE = str(Path(sys.executable).with_name("pagewise"))
+
+
+@dataclass(slots=True)
+class Jobs:
+    settings: Settings
+    export_dir: Path
+
+    def run(self, task: str, *args: object, timeout: float = 60, **kwargs: object) -> object:
+        """Queue `task` and wait for the worker's result."""
+        return configure(self.settings).send_task(task, args=args, kwargs=kwargs).get(timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def jobs_database(fresh_database: Callable[[str], str]) -> str:
+    url = fresh_database("postgres")
+    upgrade_head(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def jobs(jobs_database: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
+    prefix = f"pagewise_test_{secrets.token_hex(6)}:"
+    export_dir = tmp_path_factory.mktemp("exports")
+    env = {
+        "PAGEWISE_DATABASE_URL": jobs_database,
+        "PAGEWISE_REDIS_URL": REDIS_URL,
+        "PAGEWISE_REDIS_KEY_PREFIX": prefix,
+        "PAGEWISE_EXPORT_DIR": str(export_dir),
+        "PAGEWISE_RETENTION_DAYS": "20",
+    }
+    worker = subprocess.Popen(
+        [PAGEWISE, "jobs", "worker", "--concurrency", "1", "--loglevel", "warning"],
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
+    try:
+        yield Jobs(Settings.from_env(env), export_dir)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
