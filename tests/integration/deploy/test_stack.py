@@ -1,12 +1,14 @@
 """The compose stack without Docker: every pagewise service of `docker-compose.yml` runs its own command and its
 own environment as a local process, against this machine's PostgreSQL and Redis (the compose hostnames mapped to
 127.0.0.1, a fresh database and key prefix). `migrate` runs first and must succeed; then the long-running services
-start (the `cpu` worker profile), each must pass its own healthcheck, and a request goes through the API to the
-worker. A wrong command, variable or port in the compose file fails here.
+start (the `cpu` worker profile, the jobs worker and beat), each passes its own healthcheck, a request goes
+through the API to the worker, and a billing export through the jobs worker. A wrong command, variable or port in
+the compose file fails here.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import secrets
 import socket
@@ -26,11 +28,18 @@ REDIS_HOST = os.environ.get("PAGEWISE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0
 START_TIMEOUT_S = 300
 
 
-def _local_environment(environment: dict[str, str], database_url: str, prefix: str) -> dict[str, str]:
-    """The service's variables with compose's hostnames mapped to this machine (no collector runs here, so the
-    OTLP endpoint is dropped: tracing is tested on its own, `tests/integration/tracing`)."""
-    local = {key: value.replace("redis:6379", REDIS_HOST) for key, value in environment.items()
-             if not key.startswith("OTEL_")}
+def _local_environment(environment: dict[str, str], database_url: str, prefix: str, root: Path) -> dict[str, str]:
+    """The service's variables with compose's hostnames mapped to this machine and its volumes to local folders
+    (the model cache to this user's, the exports volume under `root`). No collector runs here, so the OTLP
+    endpoint is dropped: tracing is tested on its own (`tests/integration/tracing`)."""
+    cache = os.environ.get("PAGEWISE_CACHE_DIR", str(Path.home() / ".cache" / "pagewise"))
+    local = {
+        key: value.replace("redis:6379", REDIS_HOST)
+        .replace("/var/cache/pagewise", cache)
+        .replace("/var/lib/pagewise", str(root))
+        for key, value in environment.items()
+        if not key.startswith("OTEL_")
+    }
     local["PAGEWISE_DATABASE_URL"] = database_url
     local["PAGEWISE_REDIS_KEY_PREFIX"] = prefix
     return local
@@ -57,7 +66,7 @@ def services(tmp_path: Path, fresh_database: Callable[[str], str]) -> Iterator[d
     stack = pagewise_services(compose_stack())
     database_url = fresh_database("postgres")
     prefix = f"pagewise_stack_{secrets.token_hex(4)}:"
-    env = {name: {**os.environ, **_local_environment(s.get("environment", {}), database_url, prefix)}
+    env = {name: {**os.environ, **_local_environment(s.get("environment", {}), database_url, prefix, tmp_path)}
            for name, s in stack.items()}
     migrate = subprocess.run(_argv(stack["migrate"]["command"]), env=env["migrate"], capture_output=True, text=True,
                              timeout=120)
@@ -110,3 +119,16 @@ def test_the_compose_services_run_and_serve_a_request(services: dict[str, Any]) 
         assert len(workers) == 1 and workers[0]["model"] == "smollm2-135m-instruct"
         token = services["env"]["api"]["PAGEWISE_METRICS_TOKEN"]
         assert http.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+        # a billing export of this month, run by the jobs worker, listed and downloaded through the API
+        period = dt.datetime.now(dt.UTC).strftime("%Y-%m")
+        queued = http.post("/admin/exports", json={"tenant_id": tenant["id"], "period": period}, headers=admin)
+        assert queued.status_code == 202, queued.text
+        while not (exports := http.get("/admin/exports", params={"tenant_id": tenant["id"]}, headers=admin).json()):
+            assert processes["jobs-worker"].poll() is None, (logs / "jobs-worker.log").read_text()
+            assert time.monotonic() < deadline, "the jobs worker never wrote the export"
+            time.sleep(0.5)
+        [export] = exports
+        assert export["period"] == period and export["num_rows"] >= 1
+        csv = http.get(f"/admin/exports/{export['id']}/csv", headers=admin)
+        assert csv.status_code == 200 and tenant["id"] in csv.text
