@@ -4,8 +4,10 @@ Invariants:
 - An execution ends with exactly one terminal event — `Finished` (completed / cancelled / failed) or `Rejected`
   — emitted only after the request's final row is written, so a client that saw the end reads a final row.
 - The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
-  reconciled only by the execution whose write won. A redelivered Submit whose row is already final is not run
-  again: its `Finished` is re-sent from the row, and nothing is billed twice.
+  reconciled to the billed tokens by the execution whose write won — and again, as a no-op unless its writer died
+  in between, by any execution that finds the row already final (`reconcile` acts once per reservation). A
+  redelivered Submit whose row is already final is not run again: its `Finished` is re-sent from the row, and
+  nothing is billed twice.
 - Billed tokens are what the engine really computed: each prompt's usage report (`RequestUsage`), resolved when
   the prompt leaves the engine for any reason — an abort included, so tokens generated before the engine saw the
   abort are billed too.
@@ -120,6 +122,7 @@ class Execution:
         if self.attempt > 1:  # a redelivery: some attempt may have finished the request already
             final = await self._requests.final_state(self.request_id)
             if final is not None:
+                await self._settle_quota_of(final)
                 return await self._send(finished_event(final, self.attempt))
         try:
             self._check()
@@ -231,11 +234,19 @@ class Execution:
             )
         else:  # finished elsewhere meanwhile (a sweep, another attempt): the row's word is final
             final = await self._requests.final_state(self.request_id)
+            if final is not None:
+                await self._settle_quota_of(final)
             event = finished_event(final, self.attempt) if final is not None else Finished(
                 attempt=self.attempt, status=status, usage=usage, error=error, finished_at=time.time()
             )
         await asyncio.gather(*self._background, return_exceptions=True)
         return await self._send(event)
+
+    async def _settle_quota_of(self, final: FinishedRequest) -> None:
+        """Reconcile the reservation to what the final row billed. The writer of the row reconciles right after
+        writing it, but a worker killed between the two would leave the slot held until its lease ran out;
+        `reconcile` acts once per reservation, so doing it again here is a no-op unless that happened."""
+        await self._quotas.reconcile(self.submit.reservation, final.prompt_tokens + final.completion_tokens)
 
     async def _usage(self) -> Usage:
         """The engine's own count, summed over the prompts that reached it; the streamed counts if it hung."""

@@ -251,6 +251,8 @@ class RedisWorker:
         requests, quotas = self.host.requests, self.host.quotas
         if await requests.finish(submit.request_id, submit.tenant_id, submit.model, failed):
             await quotas.reconcile(submit.reservation, 0)
+        elif (final := await requests.final_state(submit.request_id)) is not None:  # its writer died before this
+            await quotas.reconcile(submit.reservation, final.prompt_tokens + final.completion_tokens)
         finished = Finished(attempt=deliveries, status="failed", usage=Usage(), error=error, finished_at=time.time())
         await self._emitter(submit.request_id)(finished)
         await self._ack(stream, entry_id)

@@ -36,6 +36,7 @@ class Overview(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cost_micros: int
     top_tenants: list[TenantTokens]
     engine: dict[str, Any]
 
@@ -88,12 +89,13 @@ async def overview(session: AsyncSession, engine_stats: dict[str, Any]) -> Overv
             )
         ).all()
     )
-    prompt, completion, cached = (
+    prompt, completion, cached, cost = (
         await session.execute(
             select(
                 func.coalesce(func.sum(RequestRecord.prompt_tokens), 0),
                 func.coalesce(func.sum(RequestRecord.completion_tokens), 0),
                 func.coalesce(func.sum(RequestRecord.cached_tokens), 0),
+                func.coalesce(func.sum(RequestRecord.cost_micros), 0),
             ).where(recent)
         )
     ).one()
@@ -120,6 +122,7 @@ async def overview(session: AsyncSession, engine_stats: dict[str, Any]) -> Overv
         prompt_tokens=int(prompt),
         completion_tokens=int(completion),
         cached_tokens=int(cached),
+        cost_micros=int(cost),
         top_tenants=[TenantTokens(t, n, int(c), int(k or 0)) for t, n, c, k in top],
         engine=engine_stats,
     )

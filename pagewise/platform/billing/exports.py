@@ -14,6 +14,7 @@ import msgspec
 from litestar import Controller, Response, get, post
 from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.jobs.exports import ExportError, export_paths, month_bounds
 from pagewise.platform.bodies import StrictBody, parse_body
@@ -78,12 +79,7 @@ class ExportController(Controller):
         limit: Annotated[int, QueryParameter(ge=1, le=500)] = 100,
     ) -> list[ExportOut]:
         """Revisions newest first."""
-        query = select(BillingExport).order_by(BillingExport.created_at.desc(), BillingExport.id.desc()).limit(limit)
-        if tenant_id is not None:
-            query = query.where(BillingExport.tenant_id == tenant_id)
-        if period is not None:
-            query = query.where(BillingExport.period == period)
-        return [export_out(e) for e in (await db_session.scalars(query)).all()]
+        return await recent_exports(db_session, tenant_id=tenant_id, period=period, limit=limit)
 
     @post("/", status_code=202)
     async def queue_export(
@@ -113,19 +109,39 @@ class ExportController(Controller):
         services: Services,
     ) -> Response[bytes]:
         """A revision's CSV or JSONL file; `x-content-sha256` is the hash the revision records."""
-        export = await db_session.get(BillingExport, export_id)
-        if export is None:
-            raise not_found("export", export_id)
-        csv_path, jsonl_path = export_paths(services.settings.export_path, export)
-        path, digest = (csv_path, export.csv_sha256) if kind == "csv" else (jsonl_path, export.jsonl_sha256)
-        try:
-            content = await anyio.Path(path).read_bytes()
-        except FileNotFoundError:
-            raise APIError(
-                404,
-                f"The {kind} file of export '{export_id}' is missing from the export directory",
-                code="export_file_missing",
-            ) from None
-        name = f"pagewise-{export.tenant_id}-{export.period}-r{export.revision}.{kind}"
-        headers = {"content-disposition": f'attachment; filename="{name}"', "x-content-sha256": digest}
-        return Response(content, media_type=_MEDIA[kind], headers=headers)
+        return await export_file(db_session, services.settings, export_id, kind)
+
+
+async def export_file(
+    session: AsyncSession, settings: Settings, export_id: str, kind: Literal["csv", "jsonl"]
+) -> Response[bytes]:
+    """The download of one revision's file (the API's and the dashboard's): 404 for an unknown export or a file
+    missing from the export directory; `x-content-sha256` is the hash the revision records."""
+    export = await session.get(BillingExport, export_id)
+    if export is None:
+        raise not_found("export", export_id)
+    csv_path, jsonl_path = export_paths(settings.export_path, export)
+    path, digest = (csv_path, export.csv_sha256) if kind == "csv" else (jsonl_path, export.jsonl_sha256)
+    try:
+        content = await anyio.Path(path).read_bytes()
+    except FileNotFoundError:
+        raise APIError(
+            404,
+            f"The {kind} file of export '{export_id}' is missing from the export directory",
+            code="export_file_missing",
+        ) from None
+    name = f"pagewise-{export.tenant_id}-{export.period}-r{export.revision}.{kind}"
+    headers = {"content-disposition": f'attachment; filename="{name}"', "x-content-sha256": digest}
+    return Response(content, media_type=_MEDIA[kind], headers=headers)
+
+
+async def recent_exports(
+    session: AsyncSession, *, tenant_id: str | None = None, period: str | None = None, limit: int = 100
+) -> list[ExportOut]:
+    """Revisions newest first (the API's list and the dashboard's page)."""
+    query = select(BillingExport).order_by(BillingExport.created_at.desc(), BillingExport.id.desc()).limit(limit)
+    if tenant_id is not None:
+        query = query.where(BillingExport.tenant_id == tenant_id)
+    if period is not None:
+        query = query.where(BillingExport.period == period)
+    return [export_out(e) for e in (await session.scalars(query)).all()]

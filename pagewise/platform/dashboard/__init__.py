@@ -16,6 +16,7 @@ from litestar.di import Provide
 from litestar.static_files import create_static_files_router
 
 from pagewise.platform.dashboard.access import EXCEPTION_HANDLERS, provide_admin, require_admin
+from pagewise.platform.dashboard.controllers.exports import ExportPages
 from pagewise.platform.dashboard.controllers.keys import KeyPages
 from pagewise.platform.dashboard.controllers.login import LoginController, LogoutController
 from pagewise.platform.dashboard.controllers.overview import OverviewController
@@ -49,6 +50,7 @@ DASHBOARD_HANDLERS = [
             UsagePages,
             RequestPages,
             WorkerPages,
+            ExportPages,
             LogoutController,
         ],
         before_request=require_admin,

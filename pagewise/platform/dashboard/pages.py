@@ -22,6 +22,7 @@ NAV = (
     ("usage", "Usage", "/usage"),
     ("requests", "Requests", "/requests"),
     ("workers", "Workers", "/workers"),
+    ("exports", "Exports", "/exports"),
 )
 
 

@@ -10,6 +10,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.template.config import TemplateConfig
 
+from pagewise.platform.billing.money import format_dollars
+
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 NOTHING = "—"
 
@@ -48,7 +50,7 @@ def limit(value: int | None) -> str:
 
 def environment() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATE_DIR), autoescape=True, undefined=StrictUndefined)
-    env.filters.update(when=when, number=number, percent=percent, limit=limit)
+    env.filters.update(when=when, number=number, percent=percent, limit=limit, dollars=format_dollars)
     env.globals["seconds_between"] = seconds_between
     return env
 

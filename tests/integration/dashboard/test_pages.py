@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import io
+from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from pagewise.platform.dashboard.controllers.login import NOT_ADMIN
@@ -173,3 +175,33 @@ async def test_rotate_suspend_and_find_by_id(platform: Platform, admin_browser: 
     assert hourly.status_code == 200 and "last 168 hours" in hourly.text and MODEL in hourly.text
     bad_time = await admin_browser.get(f"{UI}/requests", params={"since": "yesterday"})
     assert bad_time.status_code == 400 and "since must be a time like" in bad_time.text
+
+
+async def test_exports_page_lists_a_revision_and_downloads_its_files(
+    platform: Platform, admin_browser: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the jobs worker wrote (made here by the same `export_month`), with its spend, listed and downloaded."""
+    import datetime as dt
+
+    from pagewise.jobs.database import session_factory
+    from pagewise.jobs.exports import export_month
+
+    tenant, key = await platform.tenant_with_key()
+    done = await platform.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=bearer(key)
+    )
+    assert done.status_code == 200, done.text
+    settings = msgspec.structs.replace(platform.services.settings, export_dir=str(tmp_path))
+    monkeypatch.setattr(platform.services, "settings", settings)
+    today = dt.datetime.now(dt.UTC).date()
+    with session_factory(settings.database_url)() as session:
+        export = export_month(session, settings.export_path, tenant["id"], today.strftime("%Y-%m"), today)
+        export_id = export.id
+    page = await admin_browser.get(f"{UI}/exports")
+    assert page.status_code == 200 and export_id in page.text and tenant["id"] in page.text
+    csv_file = await admin_browser.get(f"{UI}/exports/{export_id}/csv")
+    assert csv_file.status_code == 200 and tenant["id"] in csv_file.text
+    assert (await admin_browser.get(f"{UI}/exports/{export_id}/xml")).status_code == 400
+    assert (await admin_browser.get(f"{UI}/exports/exp_missing/jsonl")).status_code == 404
+    overview = await admin_browser.get(f"{UI}/")
+    assert "Spend · 24 h" in overview.text
