@@ -169,6 +169,7 @@ async def test_rotate_suspend_and_find_by_id(platform: Platform, admin_browser: 
     assert found.headers["location"] == f"{UI}/requests/{done.json()['id']}"
     detail = await admin_browser.get(found.headers["location"])
     assert detail.status_code == 200 and tenant["name"] in detail.text and "Time to first token" in detail.text
+    assert "not traced" in detail.text  # no OTEL_* variable here; a traced request shows its trace id
     missing = await admin_browser.get(f"{UI}/requests", params={"id": "cmpl_nope"})
     assert missing.status_code == 200 and "No request found with id 'cmpl_nope'" in missing.text
     hourly = await admin_browser.get(f"{UI}/usage", params={"bucket_width": "1h", "range": "long", "group_by": "model"})
