@@ -59,9 +59,10 @@ async def test_n_seeded_samples_are_reproducible(served: Platform) -> None:
     texts = [c["text"] for c in first.json()["choices"]]
     assert [c["index"] for c in first.json()["choices"]] == [0, 1, 2]
     assert texts == [c["text"] for c in second.json()["choices"]]
-    assert first.json()["usage"]["completion_tokens"] == sum(
-        1 for _ in range(3)
-    ) * 12 or all(c["finish_reason"] in ("stop", "length") for c in first.json()["choices"])
+    reasons = [c["finish_reason"] for c in first.json()["choices"]]
+    assert set(reasons) <= {"stop", "length"}
+    generated = first.json()["usage"]["completion_tokens"]
+    assert generated == 3 * 12 if reasons == ["length"] * 3 else generated < 3 * 12
 
 
 async def test_stop_string_ends_the_text_before_it(served: Platform) -> None:
