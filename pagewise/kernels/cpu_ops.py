@@ -1,0 +1,87 @@
+"""The compiled CPU kernels (``cpu_build``), loaded once, with the torch reference for what they do not cover.
+
+The ops keep ``reference``'s contracts (``rotary_embedding`` rotates its inputs in place and returns them).
+
+``available()`` loads the library built by ``python -m pagewise.kernels.cpu_build``; if it is missing or fails to
+load, it warns once and answers False, and the CPU path runs the torch reference instead. The compiled ops take
+float32 caches only; ``paged_attention`` runs decode rows (one query token) through the compiled op and prefill
+chunks through the reference's per-sequence attention, so both paths compute the same function as
+``reference.paged_attention`` (to float32 rounding: the compiled op sums in a different order).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from pagewise.kernels import reference
+
+
+@functools.cache
+def available() -> bool:
+    from pagewise.kernels import cpu_build
+
+    path = cpu_build.library_path()
+    if not path.exists():
+        warnings.warn(
+            "pagewise: compiled CPU kernels are not built (run `make install` or "
+            "`python -m pagewise.kernels.cpu_build`); using the slower torch reference",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as error:
+        warnings.warn(
+            f"pagewise: compiled CPU kernels failed to load ({error}); using the torch reference",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def supports(cache: torch.Tensor) -> bool:
+    """Whether the compiled ops handle a cache like ``cache`` (CPU float32, library loaded)."""
+    return cache.device.type == "cpu" and cache.dtype == torch.float32 and available()
+
+
+def rms_norm(x, weight, eps):
+    return torch.ops.pagewise_cpu.rms_norm(x, weight, eps)
+
+
+def rotary_embedding(positions, query, key, cos, sin):
+    """In place on the query and key views (their heads' rows contiguous, as the QKV split gives)."""
+    torch.ops.pagewise_cpu.rotary_embedding(positions, query, key, cos, sin)
+    return query, key
+
+
+def silu_and_mul(gate_up):
+    return torch.ops.pagewise_cpu.silu_and_mul(gate_up)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    torch.ops.pagewise_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    """``reference.paged_attention``'s contract, decode rows compiled."""
+    starts = query_start_loc.tolist()
+    num_seqs = len(starts) - 1
+    if starts[-1] == num_seqs:  # every sequence decodes one token: the common step, no regrouping
+        return torch.ops.pagewise_cpu.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, scale
+        )
+    return reference.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        decode=torch.ops.pagewise_cpu.paged_attention_decode,
+    )

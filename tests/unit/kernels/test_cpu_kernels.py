@@ -1,0 +1,146 @@
+"""The compiled CPU kernels (``cpu_ops``) against the dense fp64 oracle and the torch reference.
+
+Caches are NaN-poisoned outside the sequences' context, so a kernel that reads a slot it must not fails. The
+library is built here if ``make install`` has not built it yet; without a C++ compiler the module is skipped
+(the engine then runs the reference, which ``test_missing_library_falls_back`` covers).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from pagewise import kernels
+from pagewise.kernels import cpu_build, cpu_ops, reference
+from tests.unit.kernels.test_reference import CASES, check_against_dense
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if cpu_build.compiler() is None:
+        pytest.skip("no C++ compiler: the compiled CPU kernels cannot be built here")
+    cpu_build.build()
+    cpu_ops.available.cache_clear()
+    assert cpu_ops.available()
+
+
+def run(batch, poisoned: bool = True) -> torch.Tensor:
+    key_cache, value_cache = batch.poisoned_caches() if poisoned else (batch.key_cache, batch.value_cache)
+    return cpu_ops.paged_attention(
+        batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_attention_matches_dense(case: str, paged_batch) -> None:
+    batch = paged_batch(*CASES[case], seed=hash(case) % 1000)
+    check_against_dense(batch, run(batch))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_decode_random_shapes_match_reference(seed: int, paged_batch) -> None:
+    """Decode-only batches (the compiled path end to end) on random GQA shapes and lengths."""
+    rng = random.Random(seed)
+    num_kv_heads, group = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 8])
+    block_size = rng.choice([8, 16, 32])
+    seq_lens = [rng.randint(1, 5 * block_size) for _ in range(rng.randint(1, 40))]
+    batch = paged_batch(
+        seq_lens,
+        [1] * len(seq_lens),
+        num_kv_heads * group,
+        num_kv_heads,
+        rng.choice([64, 80, 128]),
+        block_size,
+        seed=seed,
+    )
+    out = run(batch)
+    check_against_dense(batch, out)
+    expected = reference.paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reshape_and_cache_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    shape = (7, 3, 16, 64)
+    slots = torch.tensor([5, -1, 17, 111, 40, -1, 0])
+    # a strided key/value, as the QKV projection's split gives
+    qkv = torch.randn(len(slots), 3, 3 * 64, generator=gen)
+    key, value = qkv[..., 64:128], qkv[..., 128:]
+    expected = [torch.full(shape, float("nan")) for _ in range(2)]
+    actual = [c.clone() for c in expected]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    cpu_ops.reshape_and_cache(key, value, *actual, slots)
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_bad_input_is_refused(paged_batch) -> None:
+    batch = paged_batch([20, 3], [1, 1], 4, 2, 64, 8)
+    op = torch.ops.pagewise_cpu.paged_attention_decode
+    with pytest.raises(RuntimeError, match="seq_lens out of the block table"):
+        op(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens * 100, batch.scale)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(batch.query, batch.key_cache.double(), batch.value_cache, batch.block_tables, batch.seq_lens, 1.0)
+    slots = torch.tensor([0, batch.key_cache.shape[0] * 8])
+    with pytest.raises(RuntimeError, match="slot_mapping out of the cache"):
+        cpu_ops.reshape_and_cache(batch.query[:, :2], batch.query[:, :2], batch.key_cache, batch.value_cache, slots)
+
+
+def test_dispatch_prefers_compiled_for_cpu_float32(monkeypatch) -> None:
+    monkeypatch.delenv("PAGEWISE_KERNEL_BACKEND", raising=False)
+    assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "cpu"
+    assert kernels.backend_for(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)) == "torch"
+    monkeypatch.setenv("PAGEWISE_KERNEL_BACKEND", "torch")
+    assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "torch"
+
+
+def test_missing_library_falls_back(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("PAGEWISE_KERNEL_BACKEND", raising=False)
+    monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path))  # nothing built there
+    cpu_ops.available.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "torch"
+        assert any("not built" in str(w.message) for w in caught)
+    finally:
+        cpu_ops.available.cache_clear()
+
+
+def test_fused_layer_ops_match_reference() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+
+    gate_up = torch.randn(37, 2 * 1536, generator=gen) * 4
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+    # query and key as the QKV split gives them: strided views of one projection output
+    heads, kv_heads, dim, max_positions = 9, 3, 64, 300
+    qkv = torch.randn(37, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(max_positions, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    positions = torch.randint(0, max_positions, (37,), generator=gen)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(37, heads, dim), k.view(37, kv_heads, dim), v.view(37, kv_heads, dim)
+    expected_q, expected_k = reference.rotary_embedding(positions, q, k, cos, sin)
+    v_before = v.clone()
+    got_q, got_k = cpu_ops.rotary_embedding(positions, q, k, cos, sin)
+    torch.testing.assert_close(got_q, expected_q)
+    torch.testing.assert_close(got_k, expected_k)
+    assert torch.equal(v, v_before)  # the value slice of the projection is left alone
+
+    with pytest.raises(RuntimeError, match="position out of the rotary tables"):
+        cpu_ops.rotary_embedding(positions + max_positions, q, k, cos, sin)
