@@ -173,6 +173,9 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: float
     prefix_hit_rate: float
     stats: dict[str, float | int | str] = {}
+    # sequences waiting per tenant (tenants with none left out); None where the engine's policy (fcfs) keeps no
+    # per-tenant queues
+    tenants_waiting: dict[str, int] | None = None
 
     @property
     def load(self) -> int:

@@ -1,8 +1,13 @@
 """``pagewise bench throughput``: our engine vs HF transformers static batching on one seeded workload.
 
 Workload (TARGETS.md, "mixed"): N requests, random prompt token ids with lengths uniform in [32, 512], output
-lengths uniform in [16, 256] with ``ignore_eos``, greedy. HF runs padded batches of 8, 16 and 32, each batch
-until its longest output; we report its best. Output tokens/s counts only the tokens each request asked for.
+lengths uniform in [16, 256] with ``ignore_eos``, greedy (``--sampled``: temperature 0.8, top-p 0.95, top-k 50).
+HF runs padded batches of 8, 16 and 32, each batch until its longest output; we report its best. Output tokens/s
+counts only the tokens each request asked for; total tokens/s adds the prompts.
+
+``roofline_fraction`` puts total tokens/s against what this machine's fp32 GEMM allows: a token costs two flops
+per weight of the model's matmuls (attention and the rest left out), and the GEMM rate is measured in the same
+run (a square fp32 matmul, best of a few), so the fraction compares like with like on whatever CPU runs it.
 """
 
 from __future__ import annotations
@@ -48,10 +53,32 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def run_engine(llm: LLM, workload: Workload) -> dict[str, float]:
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+_GEMM_SIZE = 2048
+
+
+def gemm_gflops(size: int = _GEMM_SIZE, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate (GFLOP/s): the best of ``repeats`` square ``size`` matmuls."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def matmul_flops_per_token(model: torch.nn.Module) -> int:
+    """Two flops per weight of every linear layer (the LM head included, tied or not)."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def run_engine(llm: LLM, workload: Workload, sampled: bool = False) -> dict[str, float]:
     from pagewise import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    mode = SAMPLED if sampled else {"temperature": 0}
+    params = [SamplingParams(**mode, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -82,7 +109,7 @@ def load_hf_model(model: str):
     return hf.eval()
 
 
-def run_hf(hf_model, workload: Workload, batch_size: int) -> float:
+def run_hf(hf_model, workload: Workload, batch_size: int, sampled: bool = False) -> float:
     """Seconds for HF static batching: left-padded batches in arrival order, each run to its longest output."""
     start = time.perf_counter()
     for begin in range(0, len(workload.prompts), batch_size):
@@ -100,7 +127,7 @@ def run_hf(hf_model, workload: Workload, batch_size: int) -> float:
                 attention_mask=mask,
                 max_new_tokens=longest,
                 min_new_tokens=longest,
-                do_sample=False,
+                **({"do_sample": True, **SAMPLED} if sampled else {"do_sample": False}),
                 eos_token_id=None,
                 pad_token_id=0,
             )
@@ -133,11 +160,19 @@ def run(args: argparse.Namespace) -> int:
         "num_prompt_tokens": workload.num_prompt_tokens,
         "num_output_tokens": workload.num_output_tokens,
     }
-    result.update(run_engine(llm, workload))
+    result.update(run_engine(llm, workload, sampled=args.sampled))
+    gflops = gemm_gflops()
+    roofline = gflops * 1e9 / matmul_flops_per_token(llm.engine.model)
+    result.update(
+        sampled=args.sampled,
+        gemm_gflops=gflops,
+        roofline_tokens_per_s=roofline,
+        roofline_fraction=result["total_tokens_per_s"] / roofline,
+    )
     print(f"engine: {result['engine_tokens_per_s']:.1f} output tok/s", flush=True)
     if not args.skip_hf:
         hf_model = load_hf_model(args.model)
-        hf = {b: workload.num_output_tokens / run_hf(hf_model, workload, b) for b in batch_sizes}
+        hf = {b: workload.num_output_tokens / run_hf(hf_model, workload, b, args.sampled) for b in batch_sizes}
         best = max(hf, key=hf.get)
         result.update(
             hf_tokens_per_s=hf[best],
@@ -156,6 +191,8 @@ def _print_table(result: dict) -> None:
     rows = [
         ("engine output tok/s", result["engine_tokens_per_s"]),
         ("engine prompt+output tok/s", result["total_tokens_per_s"]),
+        ("fp32 GEMM GFLOP/s (this machine)", result["gemm_gflops"]),
+        ("roofline fraction (total tok/s)", result["roofline_fraction"]),
         ("kv utilization at peak", result["kv_utilization_peak"]),
     ]
     if "hf_tokens_per_s" in result:
@@ -173,6 +210,7 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="a small workload for smoke tests")
     parser.add_argument("--skip-hf", action="store_true", help="run only our engine")
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.95, top-k 50 (not greedy)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's for the device)"

@@ -2,6 +2,8 @@
 
 Both read the platform's settings (`PAGEWISE_REDIS_URL` is the broker, `PAGEWISE_DATABASE_URL` the database);
 a setting they cannot start with is one `error: …` line and exit status 2. Celery loads only when they run.
+The worker traces its jobs when OpenTelemetry's variables ask for it (service `pagewise-jobs`), set up before
+its pool processes fork, so each inherits the exporter.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ def _configured(args: argparse.Namespace):
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from pagewise.tracing import configure_from_env
+
     try:
         app = _configured(args)
     except SettingsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    configure_from_env("pagewise-jobs")
     options = [
         f"--loglevel={args.loglevel}",
         f"--concurrency={args.concurrency}",

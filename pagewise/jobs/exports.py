@@ -4,10 +4,15 @@ Invariants:
 - The files are a pure function of the tenant's `usage_daily` rows of the month (the source of truth): one row
   per key × model × day, sorted, then one `total` row. Nothing else (no clock, no id) goes into them, so a
   rerun on unchanged usage gives byte-identical files.
-- Idempotent per (tenant, period): when the files would hash as the latest revision's, that revision is the
-  answer and nothing is written; otherwise revision + 1 is written — files first (atomically, by rename), row
-  last. A job killed in between leaves files and no row; its rerun writes the same files and the row. Exports of
-  one tenant are serialized by a row lock on the tenant, so two runs never race for a revision.
+- Idempotent per (tenant, period, content): when a revision of the period has the files' hashes, that revision is
+  the answer and nothing is written; otherwise the next revision is written — files first, row last. A month's
+  usage only grows, so its contents never repeat and the matching revision is always the latest.
+- A file is whole or absent: written to a partial file, flushed to disk, renamed over its name (and the folder
+  flushed). A job killed before its commit leaves at most files and no row; its rerun computes the same revision
+  and writes the same bytes, then the row. Killed after its commit, its rerun finds the revision and writes
+  nothing.
+- Exports of one tenant are serialized by a row lock on the tenant (`FOR NO KEY UPDATE`: settlements adding the
+  tenant's usage meanwhile are not blocked), so two runs never race for a revision.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from pagewise.platform.billing.money import format_dollars
@@ -126,18 +131,27 @@ def export_paths(export_dir: Path, export: BillingExport) -> tuple[Path, Path]:
 
 
 def _write_atomically(path: Path, content: bytes) -> None:
+    """`path` holds `content` whole, on disk, or is left as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_bytes(content)
+    with partial.open("wb") as file:
+        file.write(content)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(partial, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)
 
 
 def export_month(session: Session, export_dir: Path, tenant_id: str, period: str, today: dt.date) -> BillingExport:
-    """The export of `tenant_id`'s usage in `period`: the latest revision if its content is unchanged, else a
-    new revision. Commits; raises `ExportError` (and changes nothing) for an unknown tenant or a bad period."""
+    """The export of `tenant_id`'s usage in `period`: the revision with this content if there is one, else a new
+    revision. Commits; raises `ExportError` (and changes nothing) for an unknown tenant or a bad period."""
     first, following = month_bounds(period, today)
     with session.begin():
-        tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
+        tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True))
         if tenant is None:
             raise ExportError(f"no tenant with id {tenant_id!r}")
         usage = list(
@@ -148,20 +162,21 @@ def export_month(session: Session, export_dir: Path, tenant_id: str, period: str
             )
         )
         files = render(tenant_id, period, usage)
-        latest = session.scalar(
-            select(BillingExport)
-            .where(BillingExport.tenant_id == tenant_id, BillingExport.period == period)
-            .order_by(BillingExport.revision.desc())
-            .limit(1)
-        )
         csv_sha256, jsonl_sha256 = files.hashes
-        if latest is not None and (latest.csv_sha256, latest.jsonl_sha256) == (csv_sha256, jsonl_sha256):
-            return latest
+        of_period = (BillingExport.tenant_id == tenant_id, BillingExport.period == period)
+        same = session.scalar(
+            select(BillingExport).where(
+                *of_period, BillingExport.csv_sha256 == csv_sha256, BillingExport.jsonl_sha256 == jsonl_sha256
+            )
+        )
+        if same is not None:
+            return same
+        latest = session.scalar(select(func.max(BillingExport.revision)).where(*of_period))
         export = BillingExport(
             id=new_id("exp"),
             tenant_id=tenant_id,
             period=period,
-            revision=1 if latest is None else latest.revision + 1,
+            revision=(latest or 0) + 1,
             num_rows=len(usage),
             total_cost_micros=sum(u.cost_micros for u in usage),
             csv_sha256=csv_sha256,

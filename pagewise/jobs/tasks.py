@@ -1,9 +1,12 @@
-"""The Celery tasks. Each is idempotent, so a redelivered one (its worker died) changes nothing twice."""
+"""The Celery tasks. Each is idempotent, so a redelivered one (its worker died) changes nothing twice. Each runs in
+its own span (`pagewise.jobs.tracing`), to which a task adds what it is about."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+
+from opentelemetry import trace
 
 from pagewise.jobs import exports, retention, usage_check
 from pagewise.jobs.celery_app import app, settings
@@ -34,9 +37,12 @@ def check_usage(days_ago: int = 0) -> list[str]:
 @app.task(name="pagewise.export_month")
 def export_month(tenant_id: str, period: str) -> dict[str, object]:
     """Export one tenant's month; the answer names the revision (new or unchanged)."""
+    span = trace.get_current_span()
+    span.set_attributes({"pagewise.tenant.id": tenant_id, "pagewise.export.period": period})
     today = dt.datetime.now(dt.UTC).date()
     with _session() as session:
         export = exports.export_month(session, settings().export_path, tenant_id, period, today)
+    span.set_attributes({"pagewise.export.id": export.id, "pagewise.export.revision": export.revision})
     return {"id": export.id, "revision": export.revision, "csv_sha256": export.csv_sha256}
 
 

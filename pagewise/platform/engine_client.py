@@ -36,8 +36,8 @@ class Transport(Protocol):
         """Stop; in-process engines settle what they run first."""
         ...
 
-    def check_capacity(self) -> None:
-        """Raise a 503 `APIError` (with Retry-After) when no engine can take one more request now."""
+    def check_capacity(self, tenant_id: str) -> None:
+        """Raise a 503 `APIError` (with Retry-After) when no engine can take one more request of `tenant_id` now."""
         ...
 
     async def submit(self, submit: Submit) -> None:

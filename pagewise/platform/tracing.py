@@ -87,10 +87,10 @@ class TracedQuotaStore:
                 span.set_attribute("pagewise.quota.rejected_by", decision.rejected_by)
             return decision
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
         attributes = {"pagewise.tenant.id": reservation.tenant_id, "pagewise.quota.tokens": actual_tokens}
         with tracing.tracer().start_as_current_span("pagewise.quota.reconcile", attributes=attributes) as span:
-            reconciled = await self.store.reconcile(reservation, actual_tokens)
+            reconciled = await self.store.reconcile(reservation, actual_tokens, actual_cost)
             span.set_attribute("pagewise.quota.reconciled", reconciled)
             return reconciled
 

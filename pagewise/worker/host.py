@@ -118,6 +118,8 @@ class EngineHost:
         """This engine's state now, as a worker reports it."""
         stats = self.engine.stats()
         queries = stats.get("prefix_cache_queries", 0)
+        fair = self.engine.config.scheduling_policy == "fair"
+        tenants = {t: int(v["waiting"]) for t, v in stats.get("tenants", {}).items() if v["waiting"]}
         return WorkerHeartbeat(
             worker_id=worker_id,
             model=model,
@@ -130,6 +132,7 @@ class EngineHost:
             kv_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
             prefix_hit_rate=stats.get("prefix_cache_hits", 0) / queries if queries else 0.0,
             stats={k: v for k, v in stats.items() if isinstance(v, int | float | str)},
+            tenants_waiting=tenants if fair else None,
         )
 
     async def renew(self) -> None:

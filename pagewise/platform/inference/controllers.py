@@ -68,16 +68,24 @@ class InferenceController(Controller):
         return Response(completion(job, await job.collect()), headers=job.headers)
 
     @get("/models")
-    async def list_models(self, services: Services) -> ModelList:
-        return ModelList([_model(services)])
+    async def list_models(self, request: Request[Principal, str, object], services: Services) -> ModelList:
+        """The models this key may use: all served ones, or those of them in its `allowed_models`."""
+        return ModelList([_model(services)] if _usable(request.user, services.engine.model_name) else [])
 
     @get("/models/{model_id:str}")
-    async def get_model(self, model_id: FromPath[str], services: Services) -> Model:
-        if model_id != services.engine.model_name:
+    async def get_model(
+        self, model_id: FromPath[str], request: Request[Principal, str, object], services: Services
+    ) -> Model:
+        """A served model this key may use; any other is a 404, as if it did not exist."""
+        if model_id != services.engine.model_name or not _usable(request.user, model_id):
             raise APIError(
                 404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
             )
         return _model(services)
+
+
+def _usable(principal: Principal, model: str) -> bool:
+    return principal.allowed_models is None or model in principal.allowed_models
 
 
 def _model(services: PlatformServices) -> Model:

@@ -35,9 +35,9 @@ from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
-from pagewise.platform.quotas.admission import never_fits
+from pagewise.platform.quotas.admission import cheap_refusal, never_fits
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
-from pagewise.platform.quotas.quota_store import Decision, Reservation, first_rejection
+from pagewise.platform.quotas.quota_store import Reservation
 from pagewise.platform.requests.store import FinishedRequest, finished_event
 from pagewise.platform.services import PlatformServices
 from pagewise.protocol import (
@@ -119,17 +119,14 @@ class InferenceJob:
     @staticmethod
     async def precheck(services: PlatformServices, principal: Principal) -> None:
         """Before the costly part of preparing a request (tokenizing it): a 503 when no engine can take it and a
-        429 when the tenant is already at its concurrency or request-rate limit, so a flood of large prompts
-        costs the server a counter read each. Admission checks everything again; this only refuses early."""
-        services.engine.transport.check_capacity()
-        limits = principal.limits
-        if limits.max_concurrent_requests is None and limits.requests_per_minute is None:
-            return
-        usage = await services.quotas.usage(principal.tenant_id)
-        rejected = first_rejection(limits, 0, 1, usage.concurrent, usage.requests_this_minute, 0, 0)
-        if rejected is not None:
-            services.metrics.quota_rejections.labels(principal.tenant_id, rejected).inc()
-            raise quota_exceeded(Decision(None, rejected, usage, limits), 0)
+        429 when the tenant is already at its concurrency or request-rate limit, or the key at its request-rate
+        limit, so a flood of large prompts costs the server a counter read each. Admission checks everything
+        again; this only refuses early."""
+        services.engine.transport.check_capacity(principal.tenant_id)
+        decision = await cheap_refusal(services.quotas, principal.tenant_id, principal.limits, principal.key_quota)
+        if decision is not None:
+            services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
+            raise quota_exceeded(decision, 0)
 
     @classmethod
     async def admit(
@@ -138,7 +135,7 @@ class InferenceJob:
         """Check capacity and the key's models, reserve quota (tenant and key, tokens and spend), persist the
         `queued` row, hand the request to an engine."""
         transport = services.engine.transport
-        transport.check_capacity()
+        transport.check_capacity(principal.tenant_id)
         if principal.allowed_models is not None and prepared.model not in principal.allowed_models:
             raise APIError(
                 403,

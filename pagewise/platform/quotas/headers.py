@@ -1,7 +1,7 @@
 """Rate-limit headers (`x-ratelimit-*`, OpenAI's names) for admitted and rejected requests; the 429.
 
-Invariant: a 429's message names the one limit that refused (marked "this API key's limit" when it is the key's
-rather than the tenant's) and states that limit, what is used or held, what remains, what the request asked for
+Invariant: a 429's message names the one limit that refused and whose it is ("the tenant's limit" or "this API
+key's limit") and states that limit, what is used or held, what remains, what the request asked for
 and when the window resets — the numbers the headers carry too. With key limits, each header reports the
 tighter of the two scopes.
 """
@@ -70,19 +70,19 @@ def quota_exceeded(
     refusing = decision.refusing
     limits, usage = refusing.limits, refusing.usage
     code = "rate_limit_exceeded"
-    of_key = " (this API key's limit)" if decision.scope == "key" else ""
+    whose = " (this API key's limit)" if decision.scope == "key" else " (the tenant's limit)"
     match decision.rejected_by:
         case "concurrency":
             retry_after = 1
             message = (
-                f"Concurrency limit reached: limit {limits.max_concurrent_requests:,}, "
+                f"Concurrency limit reached{whose}: limit {limits.max_concurrent_requests:,}, "
                 f"in use {usage.concurrent:,}, requested {requested_slots:,}; "
                 "retry when a running request finishes"
             )
         case "requests":
             retry_after = usage.minute_resets_in
             message = _window_message(
-                f"Rate limit reached for requests per minute{of_key}",
+                f"Rate limit reached for requests per minute{whose}",
                 limits.requests_per_minute or 0,
                 usage.requests_this_minute,
                 1,
@@ -91,7 +91,7 @@ def quota_exceeded(
         case "tokens":
             retry_after = usage.minute_resets_in
             message = _window_message(
-                f"Rate limit reached for tokens per minute{of_key}",
+                f"Rate limit reached for tokens per minute{whose}",
                 limits.tokens_per_minute or 0,
                 usage.tokens_this_minute,
                 requested_tokens,
@@ -99,11 +99,11 @@ def quota_exceeded(
             )
         case "monthly_spend":
             retry_after, code = usage.month_resets_in, "insufficient_quota"
-            message = _spend_message(of_key, limits, usage, requested_spend)
+            message = _spend_message(whose, limits, usage, requested_spend)
         case _:
             retry_after, code = usage.month_resets_in, "insufficient_quota"
             message = _window_message(
-                f"Monthly token budget exhausted{of_key}",
+                f"Monthly token budget exhausted{whose}",
                 limits.monthly_token_budget or 0,
                 usage.tokens_this_month,
                 requested_tokens,
@@ -119,11 +119,11 @@ def quota_exceeded(
     )
 
 
-def _spend_message(of_key: str, limits: QuotaLimits, usage: QuotaUsage, requested: int) -> str:
+def _spend_message(whose: str, limits: QuotaLimits, usage: QuotaUsage, requested: int) -> str:
     """The monthly spend budget's message, in dollars; the request's reservation is its most it can cost."""
     budget, spent = limits.monthly_spend_budget_micros or 0, usage.spend_this_month
     return (
-        f"Monthly spend budget exhausted{of_key}: limit ${format_dollars(budget)}, "
+        f"Monthly spend budget exhausted{whose}: limit ${format_dollars(budget)}, "
         f"spent ${format_dollars(spent)}, remaining ${format_dollars(max(0, budget - spent))}, "
         f"this request may cost up to ${format_dollars(requested)}; "
         f"resets in {format_reset(usage.month_resets_in)}"

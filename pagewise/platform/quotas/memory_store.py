@@ -144,11 +144,12 @@ class InProcessQuotaStore:
         lease.expiry = now + self.lease_s
         return True
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
         c, _, _ = self._counters(reservation.tenant_id)
         if c.leases.pop(reservation.id, None) is None:
             return False
-        tokens_delta, spend_delta = actual_tokens - reservation.tokens, reservation.spend_delta(actual_tokens)
+        tokens_delta = actual_tokens - reservation.tokens
+        spend_delta = reservation.spend_delta(actual_tokens, actual_cost)
         c.give_back(reservation, tokens_delta, spend_delta)
         if reservation.key_id is not None:
             self._counters(reservation.key_id)[0].give_back(reservation, tokens_delta, spend_delta)

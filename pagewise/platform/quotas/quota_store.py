@@ -9,8 +9,10 @@ Semantics (both stores, same tests):
   in the same atomic step, tenant first, and `Decision.scope` names the scope that refused.
 - Spend is integer micro-dollars per UTC calendar month. A reservation holds `SpendRate.cost(tokens)`: its
   prompt at the input price and the rest at the output price — at least what it can be billed, as cached
-  tokens cost no more than input ones. `reconcile` replaces it by `SpendRate.cost(actual_tokens)` (prompt
-  tokens first), so the counter is an upper bound of the settled cost, not the bill itself (`requests.cost_micros`).
+  tokens cost no more than input ones. `reconcile` replaces it by the request's bill (`actual_cost`, the
+  `requests.cost_micros` its final write computed), so once every reservation of a month is settled the
+  counter is the sum of the month's bills. Without `actual_cost` it is replaced by
+  `SpendRate.cost(actual_tokens)` (prompt tokens first), an upper bound of the bill.
 - A tenant's concurrency is the sum of the slots of its live leases; `max_concurrent_requests` bounds that
   sum, so a request holding k slots (e.g. k sequences) counts k times.
 - `reconcile` releases all the reservation's slots and replaces the reserved tokens by the real count,
@@ -84,8 +86,11 @@ class Reservation(msgspec.Struct, frozen=True):
     spend: int = 0
     rate: SpendRate | None = None
 
-    def spend_delta(self, actual_tokens: int) -> int:
-        """What `reconcile` adds to the spend counters: the settled estimate minus what was reserved."""
+    def spend_delta(self, actual_tokens: int, actual_cost: int | None = None) -> int:
+        """What `reconcile` adds to the spend counters: the bill (`actual_cost`; without it, the rate's upper
+        bound of `actual_tokens`, 0 without a rate) minus what was reserved."""
+        if actual_cost is not None:
+            return actual_cost - self.spend
         return 0 if self.rate is None else self.rate.cost(actual_tokens) - self.spend
 
 
@@ -156,7 +161,12 @@ class QuotaStore(Protocol):
         """Extend a live lease by a full lease from now; False if it was reconciled or has expired."""
         ...
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool: ...
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
+        """Release the reservation's slots and replace its tokens by `actual_tokens` and its spend by
+        `actual_cost` micro-dollars (the request's bill; see `Reservation.spend_delta` without it), in the windows
+        it was counted in that are still current. Once per reservation: True the first time, False after (or once
+        its lease expired)."""
+        ...
 
     async def usage(self, scope_id: str) -> QuotaUsage:
         """The counters of a tenant (or, by its id, a key: no leases, so no concurrency)."""

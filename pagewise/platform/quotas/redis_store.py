@@ -250,7 +250,7 @@ class RedisQuotaStore:
         args = [reservation.id, repr(self._clock()), self.lease_s, reservation.slots]
         return bool(await self._renew(keys=keys, args=args))
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> bool:
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
         t, month = reservation.tenant_id, reservation.month
         keys = [self._key(t, "leases"), self._key(t, "slots")]
         for scope_id in (t, reservation.key_id) if reservation.key_id is not None else (t,):
@@ -265,7 +265,7 @@ class RedisQuotaStore:
             actual_tokens,
             repr(self._clock()),
             reservation.slots,
-            reservation.spend_delta(actual_tokens),
+            reservation.spend_delta(actual_tokens, actual_cost),
             int(reservation.key_id is not None),
         ]
         return bool(await self._reconcile(keys=keys, args=args))

@@ -59,6 +59,12 @@ class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class Settled(msgspec.Struct, frozen=True):
+    """What the final write that finished a row billed: the row's `cost_micros`."""
+
+    cost_micros: int
+
+
 def finished_event(final: FinishedRequest, attempt: int) -> Finished:
     """The `Finished` message a final row stands for. Errors are stored as `<ErrorCode>: <message>`; a row failed
     by a sweep (no code) reads as `worker_lost`."""
@@ -100,10 +106,10 @@ class RequestStore:
             )
             await session.commit()
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> bool:
-        """The final write, its cost and the day's usage, in one transaction. Returns whether this call finished
-        the row: `False` when it was already terminal (finished before, or failed by a sweep) — then nothing
-        changes.
+    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Settled | None:
+        """The final write, its cost and the day's usage, in one transaction. Returns what it billed when this call
+        finished the row; `None` when it was already terminal (finished before, or failed by a sweep) — then
+        nothing changes.
         """
         async with self._sessionmaker() as session, session.begin():
             price = await price_at(session, model, result.finished_at)
@@ -117,9 +123,9 @@ class RequestStore:
             )
             won = outcome.first()
             if won is None:
-                return False
+                return None
             await _add_usage(session, _UsageKey(tenant_id, model, won.api_key_id or ""), result, cost)
-        return True
+        return Settled(cost)
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:
         """What the row's final write recorded, or `None` while it is unfinished (or missing)."""

@@ -53,7 +53,7 @@ class LoopbackTransport:
         if self._owns_engine:
             self.host.engine.shutdown()
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, tenant_id: str) -> None:
         """The engine queues whatever it is given; quotas and the KV-cache check bound what that is."""
 
     async def submit(self, submit: Submit) -> None:

@@ -5,8 +5,12 @@
   worker that joins or leaves — unless that worker is saturated (its running + waiting sequences, plus what this
   replica sent it since its last heartbeat, reach `max_num_seqs`); then the least loaded live worker takes it.
   `affinity=False` routes every request to the least loaded worker (what a blind balancer does).
-- Backpressure: when the sequences waiting across live workers exceed `max_queue_depth`, or no worker is live,
-  `check_capacity` answers 503 with `Retry-After` before anything is reserved or written.
+- Backpressure: when no worker is live, or the sequences waiting across live workers exceed `max_queue_depth`,
+  `check_capacity` answers 503 with `Retry-After` before anything is reserved or written. Over the limit the
+  refusal is tenant-fair where the workers run the fair policy (their heartbeats carry per-tenant queues): a
+  tenant is still admitted while it has fewer waiting than an equal share of the limit among the backlogged
+  tenants, so one tenant's backlog turns away that tenant, not the others. The queue can then exceed the limit by
+  at most one share per tenant. Under FCFS every tenant is refused alike.
 - Events are read from the request's own stream from its start, so any replica can serve a stream, a retry or a
   reconnect. Aborts are a key (seen by a worker that takes the Submit later) plus a pub/sub notice (seen at once).
 """
@@ -17,6 +21,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,7 +70,8 @@ class RedisTransport:
         self._info: EngineInfo | None = None
         self._tokenizer: Tokenizer | None = None
         self._workers: list[WorkerHeartbeat] = []
-        self._sent_since_beat: dict[str, int] = {}  # worker id -> Submits sent since its heartbeat we last read
+        # worker id -> tenant -> sequences sent since the worker's heartbeat we last read
+        self._sent_since_beat: dict[str, Counter[str]] = {}
         self._refresher: asyncio.Task[None] | None = None
 
     @classmethod
@@ -138,7 +144,7 @@ class RedisTransport:
 
     # ---- requests
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, tenant_id: str) -> None:
         if not self._workers:
             raise APIError(
                 503,
@@ -146,22 +152,36 @@ class RedisTransport:
                 code="engine_unavailable",
                 headers={"Retry-After": "5"},
             )
-        waiting = sum(w.waiting for w in self._workers) + sum(self._sent_since_beat.values())
-        if waiting > self._max_queue_depth:
-            raise APIError(
-                503,
-                f"The engines of '{self._model}' have {waiting} requests waiting (limit {self._max_queue_depth});"
-                " retry shortly",
-                code="overloaded",
-                headers={"Retry-After": "2"},
-            )
+        sent = Counter[str]()
+        for counts in self._sent_since_beat.values():
+            sent.update(counts)
+        waiting = sum(w.waiting for w in self._workers) + sent.total()
+        if waiting <= self._max_queue_depth:
+            return
+        if all(w.tenants_waiting is not None for w in self._workers):
+            by_tenant = sent.copy()
+            for w in self._workers:
+                by_tenant.update(w.tenants_waiting or {})
+            backlogged = {t for t, n in by_tenant.items() if n > 0} | {tenant_id}
+            share = self._max_queue_depth / len(backlogged)
+            if by_tenant[tenant_id] < share:
+                return
+            detail = f"this tenant has {by_tenant[tenant_id]} of them, its share is {share:.0f}"
+        else:
+            detail = f"limit {self._max_queue_depth}"
+        raise APIError(
+            503,
+            f"The engines of '{self._model}' have {waiting} requests waiting ({detail}); retry shortly",
+            code="overloaded",
+            headers={"Retry-After": "2"},
+        )
 
     def route(self, tenant_id: str) -> WorkerHeartbeat:
         """The worker that takes `tenant_id`'s next request (see the module docstring)."""
-        self.check_capacity()
+        self.check_capacity(tenant_id)
 
         def load(w: WorkerHeartbeat) -> int:
-            return w.load + self._sent_since_beat.get(w.worker_id, 0)
+            return w.load + self._sent_since_beat.get(w.worker_id, Counter()).total()
 
         if self._affinity:
             preferred = max(self._workers, key=lambda w: _rendezvous(tenant_id, w.worker_id))
@@ -174,7 +194,7 @@ class RedisTransport:
         inbox = self._keys.submissions(worker.worker_id)
         with tracing.enqueue_span(submit, "redis", inbox) as traced:
             await self._redis.xadd(inbox, {"m": encode(traced)})
-        self._sent_since_beat[worker.worker_id] = self._sent_since_beat.get(worker.worker_id, 0) + 1
+        self._sent_since_beat.setdefault(worker.worker_id, Counter())[submit.tenant_id] += max(1, len(submit.prompts))
 
     async def events(self, request_id: str) -> AsyncIterator[Event]:
         stream, last = self._keys.events(request_id), "0-0"

@@ -1,6 +1,6 @@
 """Per-key limits on top of the tenant's, enforced at admission: a 429 names the key's limit, a model the key may
-not use is a 403 naming `model`, limits change with `PATCH` and survive rotation; a small dollar budget is never
-overspent by concurrent requests."""
+not use is a 403 naming `model` and is not listed by `/v1/models`, limits change with `PATCH` and survive
+rotation; a small dollar budget is never overspent by concurrent requests, and its counter settles to the bills."""
 
 from __future__ import annotations
 
@@ -71,6 +71,23 @@ async def test_allowed_models_refuse_others_with_a_403_naming_model(platform: Pl
     assert (await _chat(platform, rotated.json()["key"])).status_code == 200
 
 
+async def test_models_lists_only_what_the_key_may_use(platform: Platform) -> None:
+    tenant = await platform.create_tenant()
+    restricted = await _key(platform, tenant["id"], allowed_models=["another-model"])
+    allowed = await _key(platform, tenant["id"], allowed_models=["another-model", MODEL])
+    unrestricted = await platform.create_key(tenant["id"])
+
+    async def models(key: str) -> tuple[list[str], int]:
+        listed = await platform.http.get("/v1/models", headers=bearer(key))
+        assert listed.status_code == 200, listed.text
+        one = await platform.http.get(f"/v1/models/{MODEL}", headers=bearer(key))
+        return [m["id"] for m in listed.json()["data"]], one.status_code
+
+    assert await models(restricted["key"]) == ([], 404)  # "another-model" is allowed but not served
+    assert await models(allowed["key"]) == ([MODEL], 200)
+    assert await models(unrestricted) == ([MODEL], 200)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -117,4 +134,4 @@ async def test_concurrent_requests_never_overspend_a_small_dollar_budget(
         select(func.sum(RequestRecord.cost_micros)).where(RequestRecord.tenant_id == tenant["id"])
     )
     assert 0 < spent <= budget
-    assert (await platform.services.quotas.usage(tenant["id"])).spend_this_month <= budget
+    assert (await platform.services.quotas.usage(tenant["id"])).spend_this_month == spent  # settled to the bills

@@ -1,5 +1,6 @@
 """Key scopes and spend on both stores: a key's limits apply on top of its tenant's in the same atomic step, the
-refusing scope is named, and spend is reserved at its upper bound and reconciled exactly once."""
+refusing scope is named, and spend is reserved at its upper bound and reconciled exactly once — to the bill when
+the settlement gives it, so settled spend is the sum of the bills."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ async def test_concurrent_requests_never_reserve_past_a_spend_budget(quota_store
     assert len(admitted) == 5
     assert {d.rejected_by for d in decisions if d.reservation is None} == {"monthly_spend"}
     assert (await quota_store.usage("t")).spend_this_month == 5 * RATE.cost(300) <= budget
+
+
+async def test_reconcile_settles_spend_to_the_bill_for_tenant_and_key(quota_store: QuotaStore) -> None:
+    key = KeyQuota("key_a", QuotaLimits(monthly_spend_budget_micros=10_000))
+    limits = QuotaLimits(monthly_spend_budget_micros=10_000)
+    bills = [137, 0, 412]  # cheaper than the estimate (cached prompt tokens), nothing (failed), dearer (new price)
+    reservations = []
+    for i in range(len(bills)):
+        decision = await quota_store.reserve("t", limits, 300, f"r{i}", key=key, rate=RATE)
+        assert decision.reservation is not None
+        reservations.append(decision.reservation)
+    assert (await quota_store.usage("t")).spend_this_month == 3 * RATE.cost(300)
+    for reservation, bill in zip(reservations, bills, strict=True):
+        assert await quota_store.reconcile(reservation, 120, bill) is True
+    assert await quota_store.reconcile(reservations[0], 120, 10**6) is False  # once per reservation
+    for scope_id in ("t", "key_a"):
+        usage = await quota_store.usage(scope_id)
+        assert (usage.spend_this_month, usage.tokens_this_month) == (sum(bills), 3 * 120), scope_id
+    assert RATE.cost(120) != 137  # the bill, not the rate's estimate of the same tokens

@@ -33,8 +33,8 @@ async def test_tokens_per_minute_429_states_limit_used_remaining_and_request(quo
     error = quota_exceeded(decision, 900)
     assert (error.status_code, error.code, error.type) == (429, "rate_limit_exceeded", "rate_limit_error")
     assert error.message == (
-        "Rate limit reached for tokens per minute: limit 2,000, used 1,500, remaining 500, requested 900; "
-        "resets in 30s"
+        "Rate limit reached for tokens per minute (the tenant's limit): limit 2,000, used 1,500, remaining 500, "
+        "requested 900; resets in 30s"
     )
     assert error.headers["Retry-After"] == "30" and error.headers["x-ratelimit-remaining-tokens"] == "500"
 
@@ -45,7 +45,8 @@ async def test_requests_per_minute_429(quota_store: QuotaStore) -> None:
         await quota_store.reserve("t", limits, 1, f"r{i}")
     error = quota_exceeded(await quota_store.reserve("t", limits, 1, "r2"), 1)
     assert error.message == (
-        "Rate limit reached for requests per minute: limit 2, used 2, remaining 0, requested 1; resets in 30s"
+        "Rate limit reached for requests per minute (the tenant's limit): limit 2, used 2, remaining 0, requested 1; "
+        "resets in 30s"
     )
 
 
@@ -54,7 +55,8 @@ async def test_concurrency_429_counts_slots(quota_store: QuotaStore) -> None:
     await quota_store.reserve("t", limits, 1, "r1", slots=3)
     error = quota_exceeded(await quota_store.reserve("t", limits, 1, "r2", slots=2), 1, 2)
     assert error.message == (
-        "Concurrency limit reached: limit 4, in use 3, requested 2; retry when a running request finishes"
+        "Concurrency limit reached (the tenant's limit): limit 4, in use 3, requested 2; "
+        "retry when a running request finishes"
     )
     assert (error.code, error.headers["Retry-After"]) == ("rate_limit_exceeded", "1")
 
@@ -65,8 +67,8 @@ async def test_monthly_budget_429_is_insufficient_quota(quota_store: QuotaStore)
     error = quota_exceeded(await quota_store.reserve("t", limits, 2000, "r2"), 2000)
     assert (error.code, error.type) == ("insufficient_quota", "insufficient_quota")
     assert error.message == (
-        "Monthly token budget exhausted: limit 1,000,000, used 999,000, remaining 1,000, requested 2,000; "
-        f"resets in {MONTH_RESETS}"
+        "Monthly token budget exhausted (the tenant's limit): limit 1,000,000, used 999,000, remaining 1,000, "
+        f"requested 2,000; resets in {MONTH_RESETS}"
     )
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.db.models import RequestRecord, Tenant, UsageDaily, as_utc
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker
-from pagewise.platform.requests.store import ORPHANED_ERROR, FinishedRequest, RequestStore
+from pagewise.platform.requests.store import ORPHANED_ERROR, FinishedRequest, RequestStore, Settled
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
 
@@ -77,8 +77,8 @@ async def test_finish_twice_adds_usage_once(sessionmaker: async_sessionmaker[Asy
     store = RequestStore(sessionmaker)
     row = request_row(tenant_id, "completions", T0)
     await store.create(row)
-    assert await store.finish(row.id, tenant_id, "m", _result(5)) is True
-    assert await store.finish(row.id, tenant_id, "m", _result(9, "cancelled")) is False
+    assert await store.finish(row.id, tenant_id, "m", _result(5)) == Settled(0)  # "m" has no price
+    assert await store.finish(row.id, tenant_id, "m", _result(9, "cancelled")) is None
     rows, usage = await _rows(sessionmaker, tenant_id)
     assert (rows[row.id].status, rows[row.id].completion_tokens) == ("completed", 5)
     assert usage == [(1, 5)]
@@ -121,7 +121,7 @@ async def test_finish_after_orphan_sweep_loses_and_adds_no_usage(
     row = request_row(tenant_id, "completions", T0, status="running", lease_expires_at=T0 + MINUTE)
     await store.create(row)
     assert await store.fail_orphans(T0 + 2 * MINUTE) == 1
-    assert await store.finish(row.id, tenant_id, "m", _result(5)) is False
+    assert await store.finish(row.id, tenant_id, "m", _result(5)) is None
     rows, usage = await _rows(sessionmaker, tenant_id)
     assert (rows[row.id].status, rows[row.id].completion_tokens, usage) == ("failed", 0, [])
 

@@ -56,3 +56,35 @@ def test_parallel_sampling(tiny_path, capsys):
         assert key in result
     assert result["independent_peak_blocks"] >= result["n"] * result["prompt_blocks"]
     assert result["block_ratio"] < 0.5
+
+
+def test_step(tiny_path, capsys):
+    from pagewise.bench import step
+
+    result = _run(step, "step", tiny_path, capsys)
+    assert result["backends"][-1] == "torch"
+    for figures in result["contexts"].values():
+        for backend in result["backends"]:
+            parts = figures[backend]
+            assert set(parts) == {*step.PARTS, "total_ms"}
+            assert parts["matmul_ms"] > 0 and parts["attention_ms"] > 0 and parts["sampling_ms"] > 0
+            assert parts["total_ms"] >= parts["matmul_ms"] + parts["attention_ms"] + parts["sampling_ms"]
+        if "cpu" in result["backends"]:
+            assert figures["speedup_cpu_vs_torch"] > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_throughput(tiny_path, capsys, sampled):
+    from pagewise.bench import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.register(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["throughput", "--quick", "--json", "--skip-hf", "--model", tiny_path]
+                             + (["--sampled"] if sampled else []))
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sampled"] is sampled
+    assert result["engine_tokens_per_s"] > 0 and result["gemm_gflops"] > 0
+    assert 0 < result["roofline_fraction"] == pytest.approx(
+        result["total_tokens_per_s"] / result["roofline_tokens_per_s"]
+    )
