@@ -89,9 +89,11 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     if with_bench:
-        from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, throughput
+        from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, step, throughput
+        from pagewise.bench import tracing as tracing_bench
 
-        for module in (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness):
+        modules = (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench)
+        for module in modules:
             module.register(bench)
     platform_cli.register(commands)
     billing_cli.register(commands)

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
@@ -47,13 +48,15 @@ _logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Call:
-    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue and its usage future."""
+    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue, its usage future, and
+    when it was made (``time.monotonic()``: the request's arrival, so its queue time covers the inbox too)."""
 
     request_id: str
     engine_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     usage: Future | None
+    arrival_time: float
 
 
 def _resolve(usage: Future | None, value: RequestUsage) -> None:
@@ -143,10 +146,12 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield ``RequestOutput`` deltas for one request until it finishes. ``usage``, if given, is resolved
         with the request's final ``RequestUsage`` however the request ends (see the module docstring) — once the
-        stream is first iterated: like any async generator, a stream closed before that never ran at all.
+        stream is first iterated: like any async generator, a stream closed before that never ran at all. The
+        request arrives (for its queue time and latencies) when the stream is first iterated.
 
         Close a stream you leave early (``aclose()`` or ``contextlib.aclosing``): a bare ``break`` leaves the
         abort, and the release of ``request_id``, to the event loop's finalizer."""
+        arrival = time.monotonic()
         try:
             self._raise_if_dead()
             params = params or SamplingParams()
@@ -156,7 +161,8 @@ class AsyncLLMEngine:
             _resolve(usage, NO_USAGE)
             raise
         caller_id = request_id or f"req-{next(self._ids)}"
-        call = _Call(caller_id, f"{caller_id}@{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), usage)
+        engine_id = f"{caller_id}@{next(self._ids)}"
+        call = _Call(caller_id, engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, arrival)
         text = prompt if isinstance(prompt, str) else None
         with self._lock:  # registered and posted together, so an abort for this call is always behind its add
             if self._error is not None or caller_id in self._by_caller:
@@ -253,7 +259,14 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(
-                call.engine_id, token_ids, params, tenant_id, delta=True, prompt_text=text, tenant_weight=tenant_weight
+                call.engine_id,
+                token_ids,
+                params,
+                tenant_id,
+                delta=True,
+                prompt_text=text,
+                tenant_weight=tenant_weight,
+                arrival_time=call.arrival_time,
             )
         except Exception as error:  # noqa: BLE001 - one request's failure is its own
             if not isinstance(error, InvalidRequestError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -85,7 +86,7 @@ class LLM:
         batch = _as_batch(prompts)
         return _beam_search(self.engine, batch, params, tenant_id, lambda: f"llm-beam-{next(self._ids)}")
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> bool:

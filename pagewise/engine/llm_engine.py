@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,9 +32,10 @@ from pagewise.engine.limits import PromptLimits, check_prompt
 from pagewise.engine.loader import load_model
 from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
-from pagewise.engine.outputs import RequestOutput, RequestUsage
+from pagewise.engine.outputs import RequestMetrics, RequestOutput, RequestUsage
 from pagewise.engine.request import Request, RequestStatus
 from pagewise.engine.request_group import RequestGroup, SampleState
+from pagewise.engine.request_metrics import EngineMetrics
 from pagewise.engine.sampler import Sampler, SampleResult
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.engine.scheduler import Scheduler, SchedulerOutput
@@ -115,6 +117,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.peak_blocks_in_use = 0
         self.kv_utilization_at_peak = 0.0
+        self.metrics = EngineMetrics()
 
     def _measure_kv_budget(self, at_start: DeviceMemory) -> int:
         """CUDA: ``gpu_memory_utilization`` of the device's total memory, less the weights (already loaded) and
@@ -168,10 +171,12 @@ class LLMEngine:
         delta: bool = False,
         prompt_text: str | None = None,
         tenant_weight: float = 1.0,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request. ``tenant_id`` salts its prefix-cache hashes and, with ``tenant_weight``, names its
         share under the ``fair`` scheduling policy. With ``delta``, ``step`` reports only what is new since the
-        last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt."""
+        last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt. ``arrival_time``
+        (``time.monotonic()``, default now) is when the request arrived, for its queue time and latencies."""
         if not (isinstance(tenant_weight, int | float) and 0 < tenant_weight <= 1e6):
             raise InvalidRequestError(f"tenant_weight must be a number in (0, 1e6], got {tenant_weight!r}")
         params = params or SamplingParams()
@@ -202,7 +207,8 @@ class LLMEngine:
         longest_stop = max((len(s) for s in params.stop_strings), default=1)
         hold = 0 if params.include_stop_str_in_output else longest_stop - 1
         text = prompt if isinstance(prompt, str) else prompt_text
-        group = RequestGroup(request_id, text, token_ids, samples, delta, hold)
+        metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
+        group = RequestGroup(request_id, text, token_ids, samples, delta, hold, metrics=metrics)
         self._groups[request_id] = group
         for sample in samples:
             self._owner[sample.request] = group
@@ -232,17 +238,20 @@ class LLMEngine:
 
         Raises ``StepFailedError`` (engine consistent, the step's requests failed) when batch-wide work fails.
         """
+        started = time.monotonic()
         try:
             step = self.scheduler.schedule()
         except Exception as error:
             self.kv.take_block_ops()  # the copies of a half-made schedule must never run
             raise self._fail_step("scheduling", error, [*self.scheduler.running, *self.scheduler.swapped]) from error
-        if step.is_empty:
+        if step.is_empty:  # it may still have preempted a request (that then preempted itself)
+            self.metrics.stepped(step, self._owner, started, started)
             return []
         try:
             samples = self.runner.execute(step)
         except Exception as error:
             raise self._fail_step("the forward pass", error, self._touched(step)) from error
+        self.metrics.stepped(step, self._owner, started, time.monotonic())
         failed: list[RequestOutput] = []
         for request, num_new in step.scheduled.items():
             group = self._owner.get(request)
@@ -283,6 +292,7 @@ class LLMEngine:
         request.append_token(result.token_id)
         group.num_generated += 1
         self.generation_tokens_total += 1
+        self.metrics.token(group, request)
         group.changed = True
         if result.logprobs is not None:
             request.output_logprobs.append(result.logprobs)
@@ -342,6 +352,8 @@ class LLMEngine:
             if group is None or not group.changed:
                 continue
             group.changed = False
+            if group.finished:  # every sample stopped on its own: failed and aborted groups are gone already
+                self.metrics.finished(group)
             outputs.append(group.output())
             if group.finished:
                 self._forget(group)
@@ -357,8 +369,9 @@ class LLMEngine:
     # ---- introspection
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges with vLLM's meanings; under the ``fair`` policy, ``tenants`` holds each active
-        tenant's served-token counter, weight and running / waiting sequences."""
+        """Counters, gauges and histograms (``HistogramSnapshot``s, see ``request_metrics``) with vLLM's meanings;
+        under the ``fair`` policy, ``tenants`` holds each active tenant's served-token counter, weight and
+        running / waiting sequences."""
         free = self.pool.num_free
         s = self.scheduler
         return {
@@ -377,6 +390,7 @@ class LLMEngine:
             "prefix_cache_hits": s.stats.prefix_cache_hits,
             "scheduling_policy": self.config.scheduling_policy,
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
+            **self.metrics.snapshots(),
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -1,4 +1,9 @@
-"""What the engine returns: one ``RequestOutput`` per request, one ``CompletionOutput`` per sample."""
+"""What the engine returns: one ``RequestOutput`` per request, one ``CompletionOutput`` per sample, with the
+request's milestones (``RequestMetrics``) and its lifecycle events in the engine (``RequestEvent``).
+
+Times are ``time.monotonic()`` seconds taken on the engine's thread (``pagewise.engine.request_metrics`` says at
+which point of a step each is taken); a consumer in the same process converts them to wall-clock time.
+"""
 
 from __future__ import annotations
 
@@ -48,12 +53,80 @@ class RequestUsage:
 NO_USAGE = RequestUsage(0, 0, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """When the request reached each milestone; ``None`` until it does. ``first_scheduled_time`` is the start of
+    the step that first admitted it, ``first_token_time`` the end of the step that sampled its first token (any
+    sample), ``finished_time`` the end of the step in which its last sample stopped — it stays ``None`` for a
+    request that was aborted or failed. ``num_preemptions`` counts its samples' preemptions so far."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """The step (``step``, the engine's step count, from 1) that first admitted the request: ``cached_tokens``
+    of its prompt came from the prefix cache, and it held ``num_blocks`` KV blocks after the admission."""
+
+    time: float
+    step: int
+    cached_tokens: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One step's share of a sample's prefill: ``num_tokens`` positions computed by the step that ran from
+    ``start`` to ``end``. ``recompute``: the prefill recomputes a preempted sample's freed KV (its generated
+    tokens included)."""
+
+    start: float
+    end: float
+    step: int
+    sample: int
+    num_tokens: int
+    recompute: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A sample lost its place in the running batch at the start of step ``step``: ``mode`` ``"swap"`` (its KV
+    moved to host memory) or ``"recompute"`` (its KV freed; it waits to be prefilled again)."""
+
+    time: float
+    step: int
+    sample: int
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A preempted sample was scheduled again at the start of step ``step`` (``mode`` as it was preempted): it
+    held ``num_blocks`` KV blocks then; after a recompute, ``cached_tokens`` of them came from the prefix cache."""
+
+    time: float
+    step: int
+    sample: int
+    mode: str
+    cached_tokens: int
+    num_blocks: int
+
+
+RequestEvent = Scheduled | PrefillChunk | Preempted | Resumed
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A request's outputs: cumulative from ``LLMEngine``/``LLM``, deltas from ``AsyncLLMEngine``.
 
-    ``usage`` is cumulative on every output, delta or not. ``error`` is set only on the final output of a request
-    that failed inside the engine (its unfinished samples end with ``finish_reason="error"``).
+    ``usage`` and ``metrics`` (set on every output the engine makes) are cumulative on every output, delta or
+    not; ``events`` follow the output's form (all of them so far, or only those since the previous output), in
+    the order they happened. ``error`` is set only on the final output of a request that failed inside the
+    engine (its unfinished samples end with ``finish_reason="error"``).
     """
 
     request_id: str
@@ -64,3 +137,5 @@ class RequestOutput:
     prompt: str | None = None
     usage: RequestUsage = NO_USAGE
     error: RequestFailedError | None = None
+    metrics: RequestMetrics | None = None
+    events: list[RequestEvent] = field(default_factory=list)

@@ -48,6 +48,10 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # lifecycle bookkeeping of `pagewise.engine.request_metrics` (no effect on scheduling)
+    prefill_end: int = 0  # the position its current prefill runs to: a scheduled chunk starting before it is prefill
+    preempted_mode: str | None = None  # "swap" or "recompute" from its preemption until it is scheduled again
+    last_token_time: float | None = None  # when its latest token was sampled (time.monotonic())
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -9,11 +9,12 @@ only once ``min_tokens`` tokens were generated.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagewise.engine.errors import RequestFailedError
-from pagewise.engine.outputs import CompletionOutput, RequestOutput, RequestUsage
+from pagewise.engine.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput, RequestUsage
 from pagewise.engine.request import Request
 from pagewise.engine.tokenizer import IncrementalDetokenizer
 
@@ -76,7 +77,8 @@ class RequestGroup:
     ``num_prompt_reached`` is the high-water mark of computed prompt positions (prefix hits included), so a
     recompute after preemption is never charged twice; ``num_prompt_cached`` counts the positions among them
     that a prefix hit served when they were first reached. ``hold_back`` characters of an unfinished sample's
-    text stay unreported, as they may still turn out to start a stop string.
+    text stay unreported, as they may still turn out to start a stop string. ``metrics`` and ``events`` are kept
+    by the engine's ``EngineMetrics``; a delta output hands the events over (the group keeps none it reported).
     """
 
     request_id: str
@@ -89,6 +91,8 @@ class RequestGroup:
     num_prompt_reached: int = 0
     num_prompt_cached: int = 0
     num_generated: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    events: list[RequestEvent] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -138,6 +142,11 @@ class RequestGroup:
             sample.num_sent_tokens = request.num_output_tokens
             sample.num_sent_chars = max(visible, begin_chr)
             sample.finish_sent = request.finished
+        events = self.events
+        if self.delta:
+            self.events = []
+        else:
+            events = list(events)
         return RequestOutput(
             self.request_id,
             self.prompt_token_ids,
@@ -147,4 +156,6 @@ class RequestGroup:
             self.prompt,
             self.usage,
             error,
+            self.metrics,
+            events,
         )

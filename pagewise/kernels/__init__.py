@@ -25,6 +25,11 @@ def backend_for(tensor: torch.Tensor) -> str:
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"PAGEWISE_KERNEL_BACKEND must be one of {_BACKENDS}, got {forced!r}")
+        if forced == "cpu" and not cpu_ops.available():
+            raise RuntimeError(
+                "PAGEWISE_KERNEL_BACKEND=cpu, but the compiled CPU kernels are not built "
+                "(python -m pagewise.kernels.cpu_build)"
+            )
         return forced
     if tensor.is_cuda:
         return "triton"

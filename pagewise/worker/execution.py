@@ -4,8 +4,9 @@ Invariants:
 - An execution ends with exactly one terminal event — `Finished` (completed / cancelled / failed) or `Rejected`
   — emitted only after the request's final row is written, so a client that saw the end reads a final row.
 - The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
-  reconciled to the billed tokens by the execution whose write won — and again, as a no-op unless its writer died
-  in between, by any execution that finds the row already final (`reconcile` acts once per reservation). A
+  reconciled to the billed tokens and cost by the execution whose write won — and again, as a no-op unless its
+  writer died in between, by any execution that finds the row already final (`reconcile` acts once per
+  reservation; that late one settles the row's tokens, and their cost's upper bound). A
   redelivered Submit whose row is already final is not run again: its `Finished` is re-sent from the row, and
   nothing is billed twice.
 - Billed tokens are what the engine really computed: each prompt's usage report (`RequestUsage`), resolved when
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagewise.platform.quotas.quota_store import QuotaStore
-from pagewise.platform.requests.store import FinishedRequest, RequestStore, finished_event
+from pagewise.platform.requests.store import FinishedRequest, RequestStore, Settled, finished_event
 from pagewise.protocol import (
     ChoiceDelta,
     Delta,
@@ -160,7 +161,6 @@ class Execution:
         runs, which resolves the prompt's usage report however it ends from then on."""
         state = self._prompts[index]
         state.started = True
-        self._trace.engine_started()
         stream = self._engine.generate(
             self.submit.prompts[index],
             self.submit.params,
@@ -189,10 +189,9 @@ class Execution:
             state.finish_reason = c.finish_reason or state.finish_reason
             self._num_generated += len(c.token_ids)
             choices.append(_choice(index, c, self.submit.params.logprobs))
+        self._trace.engine_output(prompt_index, output, self._num_generated)
         if not choices:
             return
-        if self._num_generated:
-            self._trace.generated(self._num_generated)
         if self._first_token_at is None and any(c.token_ids for c in choices):
             self._first_token_at = time.time()
             if not output.finished:  # a request done at its first token goes straight to its final write
@@ -210,8 +209,7 @@ class Execution:
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
-        won = await self._finish(self._result("failed", error, Usage()))
-        if won:
+        if await self._finish(self._result("failed", error, Usage())) is not None:
             self.won = True
             await self._quotas.reconcile(self.submit.reservation, 0)
         return await self._send(Rejected(error=error))
@@ -219,10 +217,10 @@ class Execution:
     async def _settle(self, status: str, error: ErrorInfo | None) -> Event:
         usage = await self._usage()
         result = self._result(status, error, usage)
-        won = await self._finish(result)
-        if won:
+        settled = await self._finish(result)
+        if settled is not None:
             self.won = True
-            await self._quotas.reconcile(self.submit.reservation, usage.total)
+            await self._quotas.reconcile(self.submit.reservation, usage.total, settled.cost_micros)
             event = Finished(
                 attempt=self.attempt,
                 status=status,
@@ -271,12 +269,12 @@ class Execution:
             sum(u.cached_tokens for u in usages),
         )
 
-    async def _finish(self, result: FinishedRequest) -> bool:
-        """The guarded final write; True if it was this execution's write that finished the row."""
+    async def _finish(self, result: FinishedRequest) -> Settled | None:
+        """The guarded final write; what it billed if it was this execution's write that finished the row."""
         with self._trace.persisting(result.status) as span:
-            won = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
-            span.set_attribute("pagewise.persist.won", won)
-            return won
+            settled = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
+            span.set_attribute("pagewise.persist.won", settled is not None)
+            return settled
 
     def _result(self, status: str, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
         return FinishedRequest(

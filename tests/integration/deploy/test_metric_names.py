@@ -1,6 +1,7 @@
 """Every metric a Grafana panel or an alert rule queries is exported by the running API: `pagewise serve` (a tiny
 random-weight model) is scraped as Prometheus scrapes it, with the metrics token, and each name in each query must
-be a series of its exposition — a counter as `<name>_total`, a histogram as `_bucket`, `_sum` or `_count`."""
+be a series of its exposition — a counter as `<name>_total`, a histogram as `_bucket`, `_sum` or `_count` — and
+every exported name follows the one naming scheme."""
 
 from __future__ import annotations
 
@@ -69,3 +70,26 @@ def test_each_queried_metric_is_exported(source: str, expr: str, exposition: str
 def test_exported_series_reads_families_without_samples() -> None:
     text = "# HELP a_total h\n# TYPE a_total counter\n# HELP b h\n# TYPE b histogram\n# TYPE c gauge\nc 1\n"
     assert exported_series(text) == {"a_total", "b_bucket", "b_sum", "b_count", "c"}
+
+
+def test_one_naming_scheme_engine_families_by_model_platform_families_by_tenant(exposition: str) -> None:
+    """`pagewise:` families are the engine's, each sample labelled with its `model_name` (the fair scheduler's
+    per-tenant gauges aside); `pagewise_` families are the platform's; vLLM's histograms are all there."""
+    families = list(text_string_to_metric_families(exposition))
+    assert families and all(f.name.startswith(("pagewise:", "pagewise_")) for f in families)
+    engine = [f for f in families if f.name.startswith("pagewise:") and not f.name.startswith("pagewise:tenant_")]
+    assert all(s.labels.get("model_name") for f in engine for s in f.samples)
+    assert not any("model_name" in s.labels for f in families if f.name.startswith("pagewise_") for s in f.samples)
+    histograms = {f.name for f in engine if f.type == "histogram" and f.samples}
+    assert histograms == {
+        f"pagewise:{name}"
+        for name in (
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "iteration_tokens_total",
+        )
+    }

@@ -26,6 +26,8 @@ EXPECTED = {
     ("pagewise-api", "pagewise.quota.reserve"),
     ("pagewise-api", "pagewise.enqueue"),
     ("pagewise-worker", "pagewise.execute"),
+    ("pagewise-worker", "pagewise.schedule"),
+    ("pagewise-worker", "pagewise.prefill"),
     ("pagewise-worker", "pagewise.decode"),
     ("pagewise-worker", "pagewise.persist"),
     ("pagewise-worker", "pagewise.quota.reconcile"),
@@ -66,6 +68,11 @@ def test_one_trace_crosses_from_the_api_to_the_worker(
     assert execute.parent_span_id == enqueue.span_id  # the parent link crosses the process boundary
     server = spans[("pagewise-api", "POST /v1/completions")]
     assert enqueue.parent_span_id == server.span_id and not server.parent_span_id
+    for name in ("pagewise.schedule", "pagewise.prefill", "pagewise.decode"):  # engine timestamps, in the execution
+        span = spans[("pagewise-worker", name)]
+        assert span.parent_span_id == execute.span_id, name
+        assert execute.start_time_unix_nano <= span.start_time_unix_nano <= span.end_time_unix_nano, name
+        assert span.end_time_unix_nano <= execute.end_time_unix_nano, name
     attributes = {a.key: a.value for a in execute.attributes}
     assert attributes["gen_ai.request.model"].string_value == str(model)
     assert attributes["gen_ai.usage.output_tokens"].int_value == 5

@@ -24,6 +24,7 @@ SERVER_SPAN = "POST /v1/chat/completions"
 API_SPANS = {SERVER_SPAN, "pagewise.auth", "pagewise.quota.reserve", "pagewise.enqueue"}
 ENGINE_SPANS = {
     "pagewise.execute",
+    "pagewise.schedule",
     "pagewise.prefill",
     "pagewise.decode",
     "pagewise.persist",
@@ -80,13 +81,16 @@ async def test_a_chat_completion_is_one_trace_from_the_http_span_to_the_quota_re
         assert _parent(one[name]) == _id(server), name
     assert one["pagewise.enqueue"].kind is SpanKind.PRODUCER
     assert execute.kind is SpanKind.CONSUMER and _parent(execute) == _id(one["pagewise.enqueue"])
-    for name in ("pagewise.prefill", "pagewise.decode", "pagewise.persist", "pagewise.quota.reconcile"):
+    for name in ("pagewise.schedule", "pagewise.prefill", "pagewise.decode", "pagewise.persist"):
         assert _parent(one[name]) == _id(execute), name
+    assert _parent(one["pagewise.quota.reconcile"]) == _id(execute)
     sql = [s for s in sum(by_name.values(), []) if s.kind is SpanKind.CLIENT]
     inserts = [s for s in sql if s.name.startswith("INSERT") and _parent(s) == _id(server)]
     assert inserts, [s.name for s in sql]  # the queued row, written under the HTTP span
     assert any(_parent(s) == _id(one["pagewise.persist"]) for s in sql)  # the final row
-    assert one["pagewise.prefill"].end_time <= one["pagewise.decode"].start_time
+    schedule, prefill, decode = one["pagewise.schedule"], one["pagewise.prefill"], one["pagewise.decode"]
+    assert execute.start_time <= schedule.start_time <= schedule.end_time == prefill.start_time  # queue, then steps
+    assert prefill.end_time == decode.start_time <= decode.end_time <= one["pagewise.persist"].start_time
 
     usage = response.json()["usage"]
     assert execute.attributes["gen_ai.request.model"] == chat_body()["model"]
@@ -97,6 +101,11 @@ async def test_a_chat_completion_is_one_trace_from_the_http_span_to_the_quota_re
     assert execute.attributes["pagewise.cached_tokens"] == 0
     assert execute.attributes["gen_ai.response.finish_reasons"] == ("length",)
     assert execute.attributes["pagewise.status"] == "completed"
+    assert execute.attributes["pagewise.preemptions"] == 0
+    assert schedule.attributes["pagewise.cached_tokens"] == 0 and schedule.attributes["pagewise.kv.blocks"] >= 1
+    assert schedule.attributes["pagewise.engine.step"] == prefill.attributes["pagewise.engine.step"] >= 1
+    assert prefill.attributes["pagewise.prefill.tokens"] == usage["prompt_tokens"]  # one chunk: the whole prompt
+    assert prefill.attributes["pagewise.prefill.recompute"] is False
     assert server.attributes["pagewise.tenant.id"] == tenant["id"]
     assert server.attributes["gen_ai.usage.output_tokens"] == 6
     assert server.attributes["gen_ai.response.id"] == response.json()["id"]

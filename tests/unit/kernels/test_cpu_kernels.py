@@ -144,3 +144,20 @@ def test_fused_layer_ops_match_reference() -> None:
 
     with pytest.raises(RuntimeError, match="position out of the rotary tables"):
         cpu_ops.rotary_embedding(positions + max_positions, q, k, cos, sin)
+
+
+def test_forcing_the_compiled_backend_loads_it_or_says_why(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PAGEWISE_KERNEL_BACKEND", "cpu")
+    cpu_ops.available.cache_clear()  # as in a fresh process: nothing loaded yet
+    assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "cpu"
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(8), 1e-6), reference.rms_norm(x, torch.ones(8), 1e-6))
+    monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path))  # nothing built there
+    cpu_ops.available.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="not built"):
+                kernels.backend_for(torch.zeros(1, 1, 1, 1))
+    finally:
+        cpu_ops.available.cache_clear()
