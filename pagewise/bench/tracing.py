@@ -24,17 +24,14 @@ import asyncio
 import json
 import secrets
 import tempfile
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagewise.bench._common import print_table, progress
+from pagewise.bench.otlp_receiver import otlp_receiver
 from pagewise.bench.throughput import Workload, make_workload
 
 if TYPE_CHECKING:
@@ -56,67 +53,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
-
-
-# ---- the receiver
-
-
-@dataclass(slots=True)
-class Received:
-    """What the receiver got: one body per accepted POST, decoded only after the measured rounds."""
-
-    endpoint: str
-    bodies: list[bytes] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def summary(self) -> dict[str, Any]:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        with self.lock:
-            bodies = list(self.bodies)
-        names: Counter[str] = Counter()
-        for body in bodies:
-            for resource in ExportTraceServiceRequest.FromString(body).resource_spans:
-                for scope in resource.scope_spans:
-                    names.update(span.name for span in scope.spans)
-        return {
-            "posts": len(bodies),
-            "bytes": sum(map(len, bodies)),
-            "spans": sum(names.values()),
-            "spans_by_name": dict(sorted(names.items())),
-        }
-
-
-@contextmanager
-def otlp_receiver() -> Iterator[Received]:
-    """Accept `POST /v1/traces` on a free local port until the block ends (200 with an empty export response)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    received = Received(f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if self.path != "/v1/traces":
-                self.send_error(404)
-                return
-            with received.lock:
-                received.bodies.append(body)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")  # an empty ExportTraceServiceResponse
-            self.end_headers()
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet
-            pass
-
-    server.RequestHandlerClass = Handler
-    thread = threading.Thread(target=server.serve_forever, name="bench-otlp-receiver", daemon=True)
-    thread.start()
-    try:
-        yield received
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # ---- the serving side
@@ -237,7 +173,7 @@ async def _bench(
     args: argparse.Namespace, workload: Workload, engine: AsyncLLMEngine, database_url: str
 ) -> dict[str, Any]:
     with otlp_receiver() as received:
-        serving = _Serving(engine, database_url, received.endpoint)
+        serving = _Serving(engine, database_url, received.traces_url)
         for host in serving.hosts.values():
             host.start()
         try:
@@ -315,4 +251,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["alternating", "otlp_receiver", "register", "run"]
+__all__ = ["alternating", "register", "run"]

@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from litestar import Litestar
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pagewise import tracing
 from pagewise.platform.services import PlatformServices
+from pagewise.tracing_export import build_provider
 
 MODEL = "smollm2-135m-instruct"
+
+
+@contextmanager
+def spans_in_memory() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process while the block runs, every span kept in memory."""
+    exporter = InMemorySpanExporter()
+    provider = build_provider("pagewise-test")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.use(None)
+        provider.shutdown()
 
 
 @dataclass(slots=True)

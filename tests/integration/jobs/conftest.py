@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from pagewise.bench.otlp_receiver import Received, otlp_receiver
 from pagewise.jobs.celery_app import configure
 from pagewise.platform.db.migrate import upgrade_head
+from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.settings import Settings
 
 from ..conftest import REDIS_URL
-from ..tracing.otlp_receiver import Received, otlp_receiver
 
 PAGEWISE = str(Path(sys.executable).with_name("pagewise"))
 
@@ -36,6 +37,13 @@ class Jobs:
     def run(self, task: str, *args: object, timeout: float = 60, **kwargs: object) -> object:
         """Queue `task` and wait for the worker's result."""
         return configure(self.settings).send_task(task, args=args, kwargs=kwargs).get(timeout=timeout)
+
+    def api_settings(self, database_url: str) -> Settings:
+        """An API's settings on this worker's Redis, key prefix and export folder, with an admin key of its own."""
+        shared = {f: getattr(self.settings, f) for f in ("redis_url", "redis_key_prefix", "export_dir")}
+        return Settings.from_env(
+            {}, **shared, database_url=database_url, auto_migrate=False, admin_key=generate_key().key
+        )
 
 
 def worker_env(database_url: str, prefix: str, export_dir: Path) -> dict[str, str]:

@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from pagewise.platform.app import create_app
-from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
-from pagewise.platform.settings import Settings
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
 
@@ -25,15 +23,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_queue_list_and_download_an_export(jobs: Jobs, jobs_database: str, llm_engine) -> None:
-    settings = Settings.from_env(
-        {},
-        **{
-            **{f: getattr(jobs.settings, f) for f in ("redis_url", "redis_key_prefix", "export_dir")},
-            "database_url": jobs_database,
-            "auto_migrate": False,
-            "admin_key": generate_key().key,
-        },
-    )
+    settings = jobs.api_settings(jobs_database)
     app = create_app(settings, engine=llm_engine)
     transport = httpx.ASGITransport(app=app)
     async with app.lifespan(), httpx.AsyncClient(transport=transport, base_url="http://test") as http:

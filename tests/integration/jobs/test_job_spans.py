@@ -12,25 +12,20 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import format_span_id
 
-from pagewise import tracing
 from pagewise.jobs.database import session_factory
 from pagewise.platform.app import create_app
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import Tenant, UsageDaily
-from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
-from pagewise.platform.settings import Settings
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
 from pagewise.platform.tracing import TRACE_ID_HEADER
-from pagewise.tracing_export import build_provider
 
-from ..harness import bearer
+from ..harness import bearer, spans_in_memory
 from .conftest import Jobs
 
 SPAN_KIND_CONSUMER = Span.SpanKind.SPAN_KIND_CONSUMER
@@ -39,13 +34,8 @@ SPAN_KIND_CONSUMER = Span.SpanKind.SPAN_KIND_CONSUMER
 @pytest.fixture
 def api_spans() -> Iterator[InMemorySpanExporter]:
     """Tracing on in this process (the API's side), into memory."""
-    exporter = InMemorySpanExporter()
-    provider = build_provider("pagewise-test")
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.use(provider)
-    yield exporter
-    tracing.use(None)
-    provider.shutdown()
+    with spans_in_memory() as exporter:
+        yield exporter
 
 
 def _attributes(span: Span) -> dict[str, object]:
@@ -76,15 +66,7 @@ def _job_spans(jobs: Jobs, name: str, timeout_s: float = 30, **attributes: objec
 async def test_an_export_queued_by_the_api_links_to_the_request_that_queued_it(
     jobs: Jobs, jobs_database: str, llm_engine, api_spans: InMemorySpanExporter
 ) -> None:
-    settings = Settings.from_env(
-        {},
-        **{
-            **{f: getattr(jobs.settings, f) for f in ("redis_url", "redis_key_prefix", "export_dir")},
-            "database_url": jobs_database,
-            "auto_migrate": False,
-            "admin_key": generate_key().key,
-        },
-    )
+    settings = jobs.api_settings(jobs_database)
     app = create_app(settings, engine=llm_engine)
     transport = httpx.ASGITransport(app=app)
     async with app.lifespan(), httpx.AsyncClient(transport=transport, base_url="http://test") as http:

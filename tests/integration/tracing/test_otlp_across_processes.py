@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from pagewise.bench.otlp_receiver import Received, otlp_receiver
 from pagewise.bench.stack import distributed_stack
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.tracing import TRACE_ID_HEADER
 
 from ..conftest import REDIS_URL
 from ..harness import bearer
-from .otlp_receiver import Received, otlp_receiver
 
 PROMPT = "The lighthouse keeper of Zanzibar counted the ships"
 EXPECTED = {
