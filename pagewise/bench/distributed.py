@@ -3,7 +3,10 @@
 - Queue hop: sequential streamed requests; for each, the client's TTFT minus the engine's own TTFT (its row's
   `first_token_at - started_at`, stamped by the worker). What remains is the API's admission (auth, quota, the
   queued row) plus the Redis round trip API → worker → first delta → API. The same phase runs in embedded mode
-  for comparison, where the hop is the in-process loopback.
+  for comparison, where the hop is the in-process loopback. With an admin key the phase also reads the API's
+  own measure of the trip alone, `pagewise_api_queue_hop_seconds` (hand-over to the transport → first token at
+  the API, minus the engine side's time to that token), before and after: its exact mean over the phase and a
+  median interpolated inside its buckets (`queue_hop_api_*`).
 - Prefix affinity: `tenants` tenants, each with a long prefix of its own, send `per_tenant` requests one after the
   other (tenants in parallel). `cached_token_ratio` is cached / prompt tokens over all of them. Run on one worker,
   on N workers with tenant-affine routing, and on N workers routing blind (least loaded): the ratio of N workers
@@ -33,13 +36,17 @@ def _percentile(values: list[float], q: float) -> float:
     return percentile(values, q)
 
 
-async def queue_hop(base: str, key: str, model: str, requests: int = HOP_REQUESTS) -> dict[str, float]:
-    """Client TTFT minus engine TTFT over `requests` sequential streamed completions."""
+async def queue_hop(
+    base: str, key: str, model: str, requests: int = HOP_REQUESTS, metrics_key: str | None = None
+) -> dict[str, float]:
+    """Client TTFT minus engine TTFT over `requests` sequential streamed completions (and, with `metrics_key`,
+    the API's own hop histogram over them)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {key}"}
     hops, admission = [], []
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
+        before = await _hop_histogram(client, metrics_key) if metrics_key else None
         for i in range(requests + 2):  # two warm-ups
             body = {"model": model, "prompt": f"Hop {i}: count to three.", "max_tokens": 2, "temperature": 0,
                     "stream": True}
@@ -58,11 +65,57 @@ async def queue_hop(base: str, key: str, model: str, requests: int = HOP_REQUEST
             started, first = _when(row["started_at"]), _when(row["first_token_at"])
             hops.append((ttft - (first - started)) * 1000)
             admission.append((started - _when(row["queued_at"])) * 1000)
+        api = {}
+        if before is not None:
+            after = await _hop_histogram(client, metrics_key)
+            api = _hop_figures(before, after)
     return {
         "queue_hop_p50_ms": _percentile(hops, 50),
         "queue_hop_p99_ms": _percentile(hops, 99),
         "admission_to_engine_p50_ms": _percentile(admission, 50),
         "queue_hop_requests": len(hops),
+        **api,
+    }
+
+
+_HOP = "pagewise_api_queue_hop_seconds"
+
+
+async def _hop_histogram(client, metrics_key: str) -> dict[str, float]:  # noqa: ANN001 - an httpx client
+    """The API's hop histogram now: cumulative bucket counts by upper bound (`+Inf` included), `sum`, `count`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get("/metrics", headers={"Authorization": f"Bearer {metrics_key}"})
+    response.raise_for_status()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        if family.name != _HOP:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{_HOP}_bucket":
+                samples[sample.labels["le"]] = sample.value
+            elif sample.name in (f"{_HOP}_sum", f"{_HOP}_count"):
+                samples[sample.name.removeprefix(f"{_HOP}_")] = sample.value
+    return samples
+
+
+def _hop_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean (exact) and median (linear inside the bucket that holds it) of the observations between two reads."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"queue_hop_api_requests": 0}
+    bounds = sorted((float(le), after[le] - before.get(le, 0.0)) for le in after if le not in ("sum", "count"))
+    median, lower, below = float("nan"), 0.0, 0.0
+    for upper, cumulative in bounds:
+        if cumulative >= count / 2:
+            inside = cumulative - below
+            median = upper if upper == float("inf") else lower + (upper - lower) * (count / 2 - below) / inside
+            break
+        lower, below = upper, cumulative
+    return {
+        "queue_hop_api_requests": int(count),
+        "queue_hop_api_mean_ms": (after["sum"] - before["sum"]) / count * 1000,
+        "queue_hop_api_p50_ms": median * 1000,
     }
 
 

@@ -469,13 +469,13 @@ def run(args: argparse.Namespace) -> int:
         log(f"loading {args.model} in this process (the overhead baseline)")
         engine = _EngineOnItsLoop(args.model, args.max_model_len)
     try:
-        with _server(args) as (base, key):
+        with _server(args) as (base, key, admin_key):
             model = _served_model(base, key, args.model)
             load = asyncio.run(run_load(base, key, model, plan))
             result: dict[str, Any] = {"url": args.url or "local", "model": model, **load}
             if engine is not None:
                 result.update(asyncio.run(run_overhead(base, key, model, engine, args.overhead_requests)))
-            result.update(asyncio.run(queue_hop(base, key, model)))
+            result.update(asyncio.run(queue_hop(base, key, model, metrics_key=admin_key)))
         result["workers"] = args.workers
         if args.workers >= 2:
             with tempfile.TemporaryDirectory(prefix="pagewise-bench-affinity-") as tmp:
@@ -496,17 +496,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """(base URL, inference key): the given server, or one started here."""
+def _server(args: argparse.Namespace) -> Iterator[tuple[str, str, str | None]]:
+    """(base URL, inference key, admin key if known): the given server, or one started here."""
     if args.url:
         base = args.url.rstrip("/")
-        yield base, args.api_key or create_inference_key(base, args.admin_key)
+        yield base, args.api_key or create_inference_key(base, args.admin_key), args.admin_key
         return
     where = f"with {args.workers} workers" if args.workers else "embedded"
     log(f"starting pagewise serve {where} ({args.model}, max_model_len {args.max_model_len})")
     with bench_server(args.model, args.max_model_len, args.workers) as (base, admin_key):
         log(f"server ready at {base}")
-        yield base, create_inference_key(base, admin_key)
+        yield base, create_inference_key(base, admin_key), admin_key
 
 
 def _served_model(base: str, key: str, wanted: str) -> str:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pagewise.protocol import Finished, Submit
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 # engine stats key -> help; each is `pagewise:<key>` (a counter's `_total` is Prometheus' own suffix)
 _ENGINE_GAUGES = {
@@ -134,6 +135,13 @@ class PlatformMetrics:
             "Mean time between the output tokens the API read.",
             ["endpoint"],
             buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_hop = Histogram(
+            "pagewise_api_queue_hop_seconds",
+            "Hand-over to the transport until the first token reached this API replica, minus the engine side's own"
+            " time to that token: the trip API -> engine -> API (first attempt of requests this replica admitted).",
+            buckets=_HOP_BUCKETS,
             registry=r,
         )
         r.register(EngineStatsCollector(engine_stats, model_name))

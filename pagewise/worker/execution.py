@@ -192,8 +192,10 @@ class Execution:
         self._trace.engine_output(prompt_index, output, self._num_generated)
         if not choices:
             return
+        engine_ttft_s = None
         if self._first_token_at is None and any(c.token_ids for c in choices):
             self._first_token_at = time.time()
+            engine_ttft_s = self._first_token_at - self._started_at
             if not output.finished:  # a request done at its first token goes straight to its final write
                 started, first = _utc(self._started_at), _utc(self._first_token_at)
                 self._spawn(self._requests.mark_running(self.request_id, started, first))
@@ -204,6 +206,7 @@ class Execution:
                 choices=choices,
                 prompt_tokens=sum(p.prompt_tokens for p in reached),
                 cached_tokens=sum(p.cached_tokens for p in reached),
+                engine_ttft_s=engine_ttft_s,
             )
         )
 

@@ -96,6 +96,7 @@ class InferenceJob:
         request_id: str,
         reservation: Reservation,
         headers: dict[str, str],
+        handed_over_at: float | None = None,
     ) -> None:
         self.services = services
         self.principal = principal
@@ -113,6 +114,7 @@ class InferenceJob:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._start = time.monotonic()
+        self._handed_over_at = handed_over_at  # monotonic, just before the Submit went to the transport
         self._first_token: float | None = None
         self._span: Span = INVALID_SPAN  # the span `run` reports to (the HTTP request's, when traced)
 
@@ -188,12 +190,14 @@ class InferenceJob:
             reservation=reservation,
             tenant_weight=principal.weight,
         )
+        handed_over_at = time.monotonic()
         try:
             await transport.submit(submit)
         except BaseException as exc:
             await cls._unsubmitted(services, submit, exc)
             raise
-        return cls(services, principal, prepared, request_id, reservation, rate_limit_headers(decision))
+        headers = rate_limit_headers(decision)
+        return cls(services, principal, prepared, request_id, reservation, headers, handed_over_at)
 
     @staticmethod
     async def _unsubmitted(services: PlatformServices, submit: Submit, exc: BaseException) -> None:
@@ -273,6 +277,9 @@ class InferenceJob:
         if self._first_token is None and any(c.token_ids for c in news):
             self._first_token = time.monotonic()
             self._span.add_event("gen_ai.first_token")
+            if self._handed_over_at is not None and delta.attempt == 1 and delta.engine_ttft_s is not None:
+                waited = self._first_token - self._handed_over_at
+                self.services.metrics.queue_hop.observe(max(0.0, waited - delta.engine_ttft_s))
         return news
 
     def _restart(self, attempt: int) -> None:

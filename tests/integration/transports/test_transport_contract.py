@@ -51,6 +51,25 @@ async def test_stream_equals_the_whole_response_and_reports_usage(served: Platfo
     assert usage["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
 
 
+async def test_the_queue_hop_is_measured_once_per_admitted_request(served: Platform) -> None:
+    """The API observes hand-over -> first token minus the engine side's own time to it, once per request it
+    admitted: a small positive figure, well under the request's whole time to first token."""
+    _, key = await served.tenant_with_key()
+    hop = served.services.metrics.queue_hop
+    before = _histogram(hop)
+    for stream in (False, True):
+        response = await served.http.post("/v1/completions", json=_body(stream=stream), headers=bearer(key))
+        assert response.status_code == 200, response.text
+    count, total = (a - b for a, b in zip(_histogram(hop), before, strict=True))
+    assert count == 2
+    assert 0 <= total / count < 1.0
+
+
+def _histogram(histogram) -> tuple[float, float]:  # noqa: ANN001 - a prometheus_client Histogram
+    samples = {s.name: s.value for metric in histogram.collect() for s in metric.samples}
+    return samples["pagewise_api_queue_hop_seconds_count"], samples["pagewise_api_queue_hop_seconds_sum"]
+
+
 async def test_n_seeded_samples_are_reproducible(served: Platform) -> None:
     _, key = await served.tenant_with_key()
     body = _body(n=3, temperature=1.0, seed=7)

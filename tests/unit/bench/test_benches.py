@@ -88,3 +88,16 @@ def test_throughput(tiny_path, capsys, sampled):
     assert 0 < result["roofline_fraction"] == pytest.approx(
         result["total_tokens_per_s"] / result["roofline_tokens_per_s"]
     )
+
+
+def test_hop_figures_from_two_histogram_reads():
+    from pagewise.bench.distributed import _hop_figures
+
+    before = {"0.001": 1, "0.002": 1, "0.005": 2, "+Inf": 2, "sum": 0.004, "count": 2}
+    # four more: 1.5 ms, 1.5 ms, 4 ms, 20 ms
+    after = {"0.001": 1, "0.002": 3, "0.005": 5, "+Inf": 6, "sum": 0.004 + 0.027, "count": 6}
+    figures = _hop_figures(before, after)
+    assert figures["queue_hop_api_requests"] == 4
+    assert figures["queue_hop_api_mean_ms"] == pytest.approx(27 / 4)
+    assert figures["queue_hop_api_p50_ms"] == pytest.approx(2.0)  # the 2nd of 4 falls at the top of (1, 2] ms
+    assert _hop_figures(before, before) == {"queue_hop_api_requests": 0}
