@@ -119,6 +119,18 @@ class PagedBatch:
             self.value_cache.masked_fill(unused, float("nan")),
         )
 
+    def attend(self, paged_attention, key_cache=None, value_cache=None) -> torch.Tensor:  # noqa: ANN001
+        """``paged_attention`` (any implementation of the op) over this batch, on its caches or the ones given."""
+        return paged_attention(
+            self.query,
+            self.key_cache if key_cache is None else key_cache,
+            self.value_cache if value_cache is None else value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
     def queries_of(self, seq: int) -> torch.Tensor:
         start, end = self.query_start_loc[seq : seq + 2].tolist()
         return self.query[start:end]

@@ -27,11 +27,9 @@ def built() -> None:
     assert cpu_ops.available()
 
 
-def run(batch, poisoned: bool = True) -> torch.Tensor:
-    key_cache, value_cache = batch.poisoned_caches() if poisoned else (batch.key_cache, batch.value_cache)
-    return cpu_ops.paged_attention(
-        batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
-    )
+def run(batch) -> torch.Tensor:
+    """The compiled path on NaN-poisoned caches."""
+    return batch.attend(cpu_ops.paged_attention, *batch.poisoned_caches())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -58,15 +56,7 @@ def test_decode_random_shapes_match_reference(seed: int, paged_batch) -> None:
     )
     out = run(batch)
     check_against_dense(batch, out)
-    expected = reference.paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        batch.scale,
-    )
+    expected = batch.attend(reference.paged_attention)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -54,15 +54,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_paged_attention_matches_dense(case: str, paged_batch) -> None:
     batch = paged_batch(*CASES[case], seed=hash(case) % 1000)
-    out = reference.paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        batch.scale,
-    )
+    out = batch.attend(reference.paged_attention)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     check_against_dense(batch, out)
 
@@ -87,15 +79,7 @@ def test_paged_attention_random_shapes(seed: int, paged_batch) -> None:
         block_size,
         seed=seed,
     )
-    out = reference.paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        batch.scale,
-    )
+    out = batch.attend(reference.paged_attention)
     check_against_dense(batch, out)
 
 

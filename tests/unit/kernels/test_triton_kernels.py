@@ -85,15 +85,7 @@ def run_attention(batch, **kwargs) -> torch.Tensor:
 
 
 def reference_attention(batch) -> torch.Tensor:
-    return reference.paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        batch.scale,
-    )
+    return batch.attend(reference.paged_attention)
 
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto_splits", "3_splits"])
