@@ -16,7 +16,7 @@ from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.errors import APIError, invalid_request
-from pagewise.platform.inference.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pagewise.platform.inference.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
 
@@ -165,9 +165,13 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return [prompt]
     if prompt and all(_is_token(t) for t in prompt):
         return [prompt]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+    many = bool(prompt) and (
+        all(isinstance(p, str) for p in prompt)
+        or all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt)
+    )
+    if many and len(prompt) > MAX_PROMPTS:
+        raise invalid_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", param="prompt")
+    if many:
         return list(prompt)
     raise invalid_request(
         "prompt must be a non-empty string, list of strings, list of token ids or list of token-id lists",

@@ -65,8 +65,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
 
 
 class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | Annotated[list[Any], msgspec.Meta(max_length=MAX_PROMPTS)]
-    """A string, a list of strings, a list of token ids, or a list of those."""
+    prompt: str | list[Any]
+    """A string, a list of strings, a list of token ids, or a list of those (at most `MAX_PROMPTS` prompts; a
+    token-id prompt is bounded by the context window, not here)."""
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
 
 

@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import func, select
 
 from pagewise.platform.db.models import RequestRecord
+from pagewise.platform.inference.schemas import MAX_PROMPTS
 
 from ..harness import MODEL, Platform, bearer, chat_body
 
@@ -44,6 +45,8 @@ def _assert_error(response, status: int, code: str | None = None, param: str | N
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, None, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, None, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, None, None),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a"] * (MAX_PROMPTS + 1)}, 400, None, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1]] * (MAX_PROMPTS + 1)}, 400, None, "prompt"),
     ],
 )
 async def test_rejected_with_openai_error_and_nothing_persisted(

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from pagewise.platform.inference.schemas import MAX_PROMPTS
+
 from ..harness import MODEL, Platform, bearer, chat_body
 
 pytestmark = pytest.mark.anyio
@@ -77,6 +79,9 @@ async def test_completion_prompt_lists(platform: Platform) -> None:
         await platform.http.post("/v1/completions", json={**body, "prompt": [1, 2, 3]}, headers=bearer(key))
     ).json()
     assert len(ids["choices"]) == 1 and ids["usage"]["prompt_tokens"] == 3
+    long_ids = list(range(5, 5 + MAX_PROMPTS + 44))  # one token-id prompt longer than the list-of-prompts cap
+    long = await platform.http.post("/v1/completions", json={**body, "prompt": long_ids}, headers=bearer(key))
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == len(long_ids)
 
 
 async def test_stop_string_ends_the_text(platform: Platform) -> None:
