@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, **budget)
     engine = AsyncLLMEngine(config, progress=False)
-    vocab = engine.engine.arch.vocab_size
+    vocab = engine.limits.vocab_size
     workload = make_workload(args.num_requests, prompt_range, output_range, vocab, seed=args.seed)
     progress(
         f"workload: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "

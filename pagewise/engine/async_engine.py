@@ -10,10 +10,17 @@ old call therefore never reaches a new call that reuses its id.
 
 Failures. A request that fails on its own (in ``add_request`` or in its share of a step) ends its stream with the
 error — ``InvalidRequestError`` as is, anything else as ``RequestFailedError``. A failed step fails the requests
-it touched and the loop goes on. ``_MAX_FAILED_STEPS`` failed steps in a row, or any error outside a step, kill
+it touched and the loop goes on. ``MAX_FAILED_STEPS`` failed steps in a row, or any error outside a step, kill
 the engine: every waiting stream gets ``EngineDeadError``, ``is_alive()`` turns False, ``error`` holds the cause,
 ``on_dead`` is called once from the engine thread (after every stream was told), and ``start()`` refuses from
 then on.
+
+Where the engine runs. By default one background thread of this process steps it. With ``process=True`` it
+runs in a child process (``core_process``), so its Python never waits for this process's GIL; here two threads
+remain: one feeds the child the inbox, one delivers what the child sends. Everything above holds in both forms;
+in the child form a crashed or killed child is an error outside a step, a dead engine settles each live
+request's usage with what its last delivered output reported, and ``shutdown`` is final (``start`` refuses after
+it).
 
 Usage. A ``usage`` future given to ``generate`` is resolved exactly once with the request's final
 ``RequestUsage`` when it leaves the engine for any reason — on the engine thread, or with zeros on the caller's
@@ -35,21 +42,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagewise.engine.config import EngineConfig
+from pagewise.engine.core_process import MAX_FAILED_STEPS, EngineCoreProcess
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, StepFailedError
+from pagewise.engine.limits import PromptLimits, prompt_token_ids
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
 from pagewise.engine.outputs import NO_USAGE, RequestOutput, RequestUsage
 from pagewise.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
-_MAX_FAILED_STEPS = 3
 _logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
 class _Call:
-    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue, its usage future, and
-    when it was made (``time.monotonic()``: the request's arrival, so its queue time covers the inbox too)."""
+    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue, its usage future, when it
+    was made (``time.monotonic()``: the request's arrival, so its queue time covers the inbox too), its prompt,
+    and the usage its latest delivered output reported."""
 
     request_id: str
     engine_id: str
@@ -57,6 +66,15 @@ class _Call:
     queue: asyncio.Queue
     usage: Future | None
     arrival_time: float
+    prompt_token_ids: list[int]
+    prompt: str | None
+    usage_so_far: RequestUsage = NO_USAGE
+
+
+def _put_all(items: list[tuple[_Call, RequestOutput | BaseException]]) -> None:
+    """On a consumer's event loop: put each item on its call's queue."""
+    for call, item in items:
+        call.queue.put_nowait(item)
 
 
 def _resolve(usage: Future | None, value: RequestUsage) -> None:
@@ -73,43 +91,79 @@ class AsyncLLMEngine:
         *,
         progress: bool = True,
         on_dead: Callable[[BaseException], None] | None = None,
+        process: bool = False,
     ) -> None:
-        self.engine = LLMEngine(config, progress=progress)
+        """Load the model (blocking), in this process or, with ``process``, in a child process of its own."""
         self.config = config
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
+        self.engine: LLMEngine | None = None  # the engine object itself, in this process only
+        self._core: EngineCoreProcess | None = None
+        if process:
+            self._core = EngineCoreProcess(config, progress=progress)
+            info = self._core.info
+            self.tokenizer, self.model_name, self.max_model_len = info.tokenizer, info.model_name, info.max_model_len
+            self.limits: PromptLimits = info.limits
+            self.num_blocks: int = info.num_blocks
+            self._stats = info.stats
+        else:
+            self.engine = LLMEngine(config, progress=progress)
+            self.tokenizer, self.model_name = self.engine.tokenizer, self.engine.model_name
+            self.max_model_len = self.engine.max_model_len
+            self.limits = self.engine.limits
+            self.num_blocks = self.engine.num_blocks
+            self._stats = self.engine.stats()
+        self._closed = False
         self._on_dead = on_dead
         self._inbox: deque[tuple] = deque()
-        self._lock = threading.Lock()  # guards _calls, _by_caller, _error, _thread
+        self._lock = threading.Lock()  # guards _calls, _by_caller, _error, _threads, _closed, _in_engine
         self._calls: dict[str, _Call] = {}  # engine id -> call, while its consumer listens
         self._by_caller: dict[str, str] = {}  # caller id -> engine id, while the caller id is in use
-        self._in_engine: dict[str, _Call] = {}  # engine thread only: calls whose request is in the engine
+        self._in_engine: dict[str, _Call] = {}  # calls whose request is in the engine (engine side only)
         self._wake = threading.Event()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._ids = itertools.count()
-        self._stats = self.engine.stats()
         self._error: BaseException | None = None
 
     # ---- lifecycle
 
+    @property
+    def process_id(self) -> int | None:
+        """The engine's child process, or None when it runs in this process."""
+        return None if self._core is None else self._core.pid
+
     def start(self) -> None:
-        """Start the stepping thread (idempotent). Raises ``EngineDeadError`` once the engine died: a loop never
-        restarts on the state a crash left behind."""
+        """Start the stepping thread, or the child's feeding and delivering threads (idempotent). Raises
+        ``EngineDeadError`` once the engine died: a loop never restarts on the state a crash left behind."""
         with self._lock:
             self._raise_if_dead()
-            if self._thread is None:
+            if self._closed:
+                raise RuntimeError("the engine process was shut down")
+            if not self._threads:
                 self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="pagewise-engine", daemon=True)
-                self._thread.start()
+                targets = [self._run] if self._core is None else [self._feed, self._pump]
+                self._threads = [
+                    threading.Thread(target=target, name=f"pagewise-engine-{target.__name__[1:]}", daemon=True)
+                    for target in targets
+                ]
+                for thread in self._threads:
+                    thread.start()
 
     def shutdown(self) -> None:
-        self._stopping = True
+        """Stop stepping (a request still in the engine then gets no further output). An engine in this process
+        can be started again; a child process is stopped for good."""
+        with self._lock:
+            self._stopping = True
+            threads, self._threads = self._threads, []
+            self._closed = self._core is not None
         self._wake.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        if self._core is not None and not threads:
+            self._core.close()
+        for thread in threads:
             thread.join(timeout=30)
+
+    def process_prompt(self, prompt: PromptInput, params: SamplingParams) -> list[int]:
+        """Validate a prompt and its parameters against this engine (no state change); return its token ids."""
+        return prompt_token_ids(prompt, params, self.tokenizer, self.limits)
 
     def is_alive(self) -> bool:
         """False once the engine died of an error (see ``error``); a stopped or not yet started engine is alive."""
@@ -155,15 +209,15 @@ class AsyncLLMEngine:
         try:
             self._raise_if_dead()
             params = params or SamplingParams()
-            token_ids = self.engine.process_prompt(prompt, params)
+            token_ids = self.process_prompt(prompt, params)
             self.start()
         except BaseException:
             _resolve(usage, NO_USAGE)
             raise
         caller_id = request_id or f"req-{next(self._ids)}"
         engine_id = f"{caller_id}@{next(self._ids)}"
-        call = _Call(caller_id, engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, arrival)
         text = prompt if isinstance(prompt, str) else None
+        call = _Call(caller_id, engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, arrival, token_ids, text)
         with self._lock:  # registered and posted together, so an abort for this call is always behind its add
             if self._error is not None or caller_id in self._by_caller:
                 _resolve(usage, NO_USAGE)
@@ -197,7 +251,7 @@ class AsyncLLMEngine:
         self._inbox.append(message)
         self._wake.set()
 
-    # ---- the engine thread
+    # ---- the engine thread (an engine in this process)
 
     def _run(self) -> None:
         try:
@@ -206,10 +260,10 @@ class AsyncLLMEngine:
             self._die(error, "an error outside a step")
             return
         if failure is not None:
-            self._die(failure, f"{_MAX_FAILED_STEPS} steps in a row failed")
+            self._die(failure, f"{MAX_FAILED_STEPS} steps in a row failed")
 
     def _step_until_stopped(self) -> StepFailedError | None:
-        """Step while there is work, until shutdown (returns None) or ``_MAX_FAILED_STEPS`` failed steps in a
+        """Step while there is work, until shutdown (returns None) or ``MAX_FAILED_STEPS`` failed steps in a
         row (returns the last failure)."""
         engine = self.engine
         failed_steps = 0
@@ -227,9 +281,8 @@ class AsyncLLMEngine:
                 failure, outputs = error, error.outputs
             failed_steps = failed_steps + 1 if failure else 0
             self._stats = engine.stats()
-            for output in outputs:
-                self._deliver(output)
-            if failed_steps >= _MAX_FAILED_STEPS:
+            self._deliver(outputs)
+            if failed_steps >= MAX_FAILED_STEPS:
                 return failure
         return None
 
@@ -239,7 +292,7 @@ class AsyncLLMEngine:
             if message[0] == "abort":
                 final = self.engine.abort_request(message[1])
                 if final is not None:
-                    self._deliver(final)
+                    self._deliver([final])
             else:
                 self._add(*message[1:])
 
@@ -279,26 +332,45 @@ class AsyncLLMEngine:
             return
         self._in_engine[call.engine_id] = call
 
-    def _deliver(self, output: RequestOutput) -> None:
-        """Send an engine output to its call (the caller's id in place of the engine id); a final one releases
-        the call and resolves its usage."""
-        call = self._in_engine[output.request_id]
-        if output.finished:
-            del self._in_engine[output.request_id]
-        output.request_id = call.request_id
-        self._send(call, output if output.error is None else output.error)
-        if output.finished:
-            _resolve(call.usage, output.usage)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Send one step's engine outputs to their calls (the caller's id in place of the engine id, the prompt
+        put back where it travelled without it); a final one releases its call, whose usage is resolved once the
+        output is on its way."""
+        sends: list[tuple[_Call, RequestOutput | BaseException]] = []
+        settled: list[tuple[Future | None, RequestUsage]] = []
+        for output in outputs:
+            with self._lock:
+                call = self._in_engine[output.request_id]
+                if output.finished:
+                    del self._in_engine[output.request_id]
+            output.request_id = call.request_id
+            if self._core is not None:
+                output.prompt_token_ids, output.prompt = call.prompt_token_ids, call.prompt
+            call.usage_so_far = output.usage
+            sends.append((call, output if output.error is None else output.error))
+            if output.finished:
+                settled.append((call.usage, output.usage))
+        self._send_all(sends)
+        for usage, value in settled:
+            _resolve(usage, value)
 
     def _send(self, call: _Call, item: RequestOutput | BaseException) -> None:
+        self._send_all([(call, item)])
+
+    def _send_all(self, sends: list[tuple[_Call, RequestOutput | BaseException]]) -> None:
+        """Queue each item for its call's consumer, if it still listens: in order, with one wake-up per event
+        loop (a step's outputs for 64 streams on one loop are one ``call_soon_threadsafe``, not 64)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Call, RequestOutput | BaseException]]] = {}
         with self._lock:
-            listening = self._calls.get(call.engine_id) is call
-        if not listening:
-            return
-        try:
-            call.loop.call_soon_threadsafe(call.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            self._post(("abort", call.engine_id))
+            for call, item in sends:
+                if self._calls.get(call.engine_id) is call:
+                    by_loop.setdefault(call.loop, []).append((call, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumers' event loop is closed: nobody is listening any more
+                for call, _ in items:
+                    self._post(("abort", call.engine_id))
 
     def _die(self, error: BaseException, why: str) -> None:
         """Mark the engine dead, end every stream with ``EngineDeadError``, settle every usage, call ``on_dead``."""
@@ -306,8 +378,10 @@ class AsyncLLMEngine:
         with self._lock:
             self._error = error
             calls = list(self._calls.values())
-        for engine_id, call in self._in_engine.items():
-            _resolve(call.usage, self.engine.request_usage(engine_id) or NO_USAGE)
+            in_engine, self._in_engine = self._in_engine, {}
+        for engine_id, call in in_engine.items():
+            so_far = self.engine.request_usage(engine_id) if self.engine is not None else None
+            _resolve(call.usage, so_far or call.usage_so_far)
         while self._inbox:  # nothing new can be added once _error is set
             message = self._inbox.popleft()
             if message[0] == "add":
@@ -322,3 +396,69 @@ class AsyncLLMEngine:
                 self._on_dead(error)
             except Exception:  # noqa: BLE001 - the engine is already dead; the callback must not hide why
                 _logger.exception("on_dead callback failed")
+
+
+    # ---- the feeding and delivering threads (an engine in a child process)
+
+    def _feed(self) -> None:
+        """Send the inbox to the child, in order, until shutdown; then ask the child to stop."""
+        assert self._core is not None
+        try:
+            while not self._stopping:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                while self._inbox and not self._stopping:
+                    message = self._inbox.popleft()
+                    if message[0] == "abort":
+                        self._core.send(message)
+                    else:
+                        self._send_add(*message[1:])
+        except (BrokenPipeError, OSError):  # the child is gone; the delivering thread reports it
+            return
+        self._core.close()
+
+    def _send_add(
+        self,
+        call: _Call,
+        token_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        tenant_id: str | None,
+        tenant_weight: float,
+    ) -> None:
+        with self._lock:  # registered under the lock that _die takes: a call is settled by _die or delivered
+            listening = self._error is None and self._calls.get(call.engine_id) is call
+            if listening:
+                self._in_engine[call.engine_id] = call
+        if not listening:  # the consumer left (or the engine died) before the request got here
+            _resolve(call.usage, NO_USAGE)
+            return
+        self._core.send(("add", call.engine_id, token_ids, params, tenant_id, tenant_weight, call.arrival_time, text))
+
+    def _pump(self) -> None:
+        """Deliver what the child sends until it stops; a child that dies, or exits unasked, kills the engine."""
+        assert self._core is not None
+        try:
+            while True:
+                message = self._core.recv()
+                kind = message[0]
+                if kind == "outputs":
+                    self._stats = message[2]
+                    self._deliver(message[1])
+                elif kind == "rejected":
+                    with self._lock:
+                        call = self._in_engine.pop(message[1], None)
+                    if call is not None:
+                        self._send(call, message[2].exception())
+                        _resolve(call.usage, NO_USAGE)
+                else:  # "dead"
+                    self._die(RuntimeError(message[1].message), "an error in the engine process")
+                    return
+        except (EOFError, OSError):
+            if not self._stopping:
+                self._die(
+                    RuntimeError(f"the engine process exited (exit code {self._core.exitcode})"),
+                    "the engine process exited",
+                )
+        except BaseException as error:  # noqa: BLE001 - every waiting stream must hear about a crash
+            self._die(error, "an error while delivering outputs")

@@ -6,11 +6,16 @@ same function against a worker's published `EngineLimits`, so both refuse exactl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams, is_int
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
 
 
 class Limits(Protocol):
@@ -28,6 +33,22 @@ class PromptLimits:
     max_model_len: int
     max_num_seqs: int
     kv_capacity_tokens: int
+
+
+def prompt_token_ids(
+    prompt: str | Sequence[int], params: SamplingParams, tokenizer: _Encoder, limits: Limits
+) -> list[int]:
+    """Tokenize a text prompt (a token-id prompt is taken as is), check it with `check_prompt`, return its ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, Sequence):
+        token_ids = list(prompt)
+    else:
+        raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    check_prompt(token_ids, params, limits)
+    return token_ids
 
 
 def check_prompt(token_ids: list[int], params: SamplingParams, limits: Limits) -> None:

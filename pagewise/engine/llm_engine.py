@@ -28,7 +28,7 @@ from pagewise.engine.errors import (
 )
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
-from pagewise.engine.limits import PromptLimits, check_prompt
+from pagewise.engine.limits import PromptLimits, prompt_token_ids
 from pagewise.engine.loader import load_model
 from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
@@ -150,16 +150,7 @@ class LLMEngine:
 
         As vLLM v1, a prompt of ``max_model_len`` tokens or more is rejected: at least one token must fit after it.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        check_prompt(token_ids, params, self.limits)
-        return token_ids
+        return prompt_token_ids(prompt, params, self.tokenizer, self.limits)
 
     def add_request(
         self,

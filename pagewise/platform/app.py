@@ -59,7 +59,8 @@ logger = logging.getLogger("pagewise.platform")
 
 
 def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> AsyncLLMEngine:
-    """Load the model into an in-process engine (seconds to minutes; blocking).
+    """Load the model into an engine of this process's own (seconds to minutes; blocking): stepped in a child
+    process, or with `engine_process` off in a thread of this one.
 
     If the engine's loop ever dies, the error is logged and `on_dead` is called (from the engine's thread):
     `pagewise serve` passes one that stops the server, then exits non-zero so a supervisor restarts it.
@@ -72,7 +73,8 @@ def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -
         if on_dead is not None:
             on_dead()
 
-    return AsyncLLMEngine(EngineConfig(**settings.engine.engine_kwargs()), on_dead=dead)
+    config = EngineConfig(**settings.engine.engine_kwargs())
+    return AsyncLLMEngine(config, on_dead=dead, process=settings.engine_process)
 
 
 async def build_transport(
@@ -107,8 +109,8 @@ async def build_transport(
 
 def engine_summary(engine: AsyncLLMEngine) -> str:
     """One line for an operator: what is served, in which dtype and on what, with how much KV cache."""
-    config, limits = engine.config, engine.engine.limits
-    blocks = engine.engine.num_blocks
+    config, limits = engine.config, engine.limits
+    blocks = engine.num_blocks
     return (
         f"pagewise: serving {engine.model_name} ({config.dtype} on {config.device}), max_model_len "
         f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "

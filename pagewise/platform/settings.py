@@ -68,6 +68,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine_mode: str = "local"
     """`PAGEWISE_ENGINE_MODE`: `local` runs the engine in this process; `redis` hands requests to
     `pagewise worker` processes over Redis Streams (needs `PAGEWISE_REDIS_URL`; the API then loads no model)."""
+    engine_process: bool = True
+    """`PAGEWISE_ENGINE_PROCESS`: where this process's engine steps (`pagewise serve` in local mode,
+    `pagewise worker`): `true` in a child process of its own, so the model's Python never waits for the web stack's
+    GIL (vLLM's engine-core process); `false` in a thread of this process (one process, as a debugger likes it)."""
     max_queue_depth: int = 512
     """`PAGEWISE_MAX_QUEUE_DEPTH` (redis mode): sequences waiting across workers above which new requests get 503."""
     worker_heartbeat_s: float = 1.0

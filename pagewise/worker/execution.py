@@ -154,7 +154,7 @@ class Execution:
     def _check(self) -> None:
         """The engine's own checks (the API ran the same against the published limits)."""
         for prompt in self.submit.prompts:
-            self._engine.engine.process_prompt(prompt, self.submit.params)
+            self._engine.process_prompt(prompt, self.submit.params)
 
     async def _stream(self, index: int) -> AsyncIterator[RequestOutput]:
         """Prompt `index`'s outputs. `started` is set with no suspension point before the engine's `generate`

@@ -107,7 +107,7 @@ class EngineHost:
 
     def engine_info(self, *, with_tokenizer: bool) -> EngineInfo:
         """What this engine serves; the tokenizer travels only to processes that have no model."""
-        own = self.engine.engine.limits
+        own = self.engine.limits
         return EngineInfo(
             model=self.engine.model_name,
             limits=EngineLimits(own.vocab_size, own.max_model_len, own.max_num_seqs, own.kv_capacity_tokens),

@@ -196,12 +196,12 @@ def test_repeated_step_failures_kill_the_engine(config, monkeypatch) -> None:
 
     async def main():
         failures = [await failure_of(engine, p) for p in PROMPTS]  # each one step; the third is the last
-        await asyncio.to_thread(engine._thread.join, 10)
+        await asyncio.to_thread(engine._threads[0].join, 10)
         return failures
 
     failures = run(main())
     assert all(isinstance(f, RequestFailedError) for f in failures)
-    assert not engine.is_alive() and not engine._thread.is_alive()
+    assert not engine.is_alive() and not engine._threads[0].is_alive()
     assert isinstance(engine.error, StepFailedError) and dead == [engine.error]
     with pytest.raises(EngineDeadError):
         engine.start()
@@ -209,7 +209,7 @@ def test_repeated_step_failures_kill_the_engine(config, monkeypatch) -> None:
     def tokenize(*args, **kwargs):
         raise AssertionError("a dead engine tokenized a prompt")
 
-    monkeypatch.setattr(engine.engine, "process_prompt", tokenize)
+    monkeypatch.setattr(engine, "process_prompt", tokenize)
     usage = Future()
     error = run(failure_of(engine, "hello", usage=usage))
     assert isinstance(error, EngineDeadError) and error.__cause__ is engine.error
@@ -245,7 +245,7 @@ def test_an_error_outside_a_step_kills_the_engine_and_tells_every_consumer(confi
         return received, errors, [await asyncio.wrap_future(u) for u in usages]
 
     received, errors, usages = run(main())
-    engine._thread.join(10)  # on_dead runs last, after every stream was told
+    engine._threads[0].join(10)  # on_dead runs last, after every stream was told
     assert len(errors) == 2 and all(isinstance(e.__cause__, OSError) for e in errors)
     assert all(u.completion_tokens >= r for u, r in zip(usages, received, strict=True))
     assert not engine.is_alive() and isinstance(engine.error, OSError) and dead == [engine.error]

@@ -1,0 +1,223 @@
+"""The engine core in a process of its own: ``LLMEngine`` stepped by a child process.
+
+Why: the step loop runs Python between the kernels (scheduling, sampling, detokenizing), and in the serving
+process that Python shares one GIL with the web stack, so a busy API slows every step. vLLM runs its engine core
+in its own process for the same reason. ``AsyncLLMEngine(config, process=True)`` uses this module; what it
+offers its callers does not change.
+
+The wire is two one-way ``multiprocessing`` pipes of pickled tuples (``spawn`` start method: no fork after
+torch's threads exist):
+
+- parent → child: ``("add", engine_id, token_ids, params, tenant_id, tenant_weight, arrival_time, prompt_text)``,
+  ``("abort", engine_id)``, ``("stop",)``.
+- child → parent: first exactly one of ``("ready", CoreInfo)`` or ``("failed", Failure)``; after ``ready``,
+  ``("outputs", [RequestOutput, ...], stats)`` after every loop turn that changed anything (aborts' final outputs
+  and a step's outputs, then ``LLMEngine.stats()`` as of then), ``("rejected", engine_id, Failure)`` for an add
+  the engine refused, and at most one ``("dead", Failure)``, after which the child exits.
+
+Invariants. Messages are handled in the order they were sent, between steps, so an abort is never handled
+before its add. Outputs travel without their prompt (``prompt_token_ids`` empty, ``prompt`` None): the parent
+holds both and puts them back. ``arrival_time`` is ``time.monotonic()``, one clock for every process of a host.
+The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent decides when the
+engine stops) and exits when its inbox reaches end of file, so it never outlives the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagewise.engine.config import EngineConfig
+from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, RequestFailedError, StepFailedError
+from pagewise.engine.limits import PromptLimits
+from pagewise.engine.tokenizer import Tokenizer
+
+_logger = logging.getLogger(__name__)
+_START_METHOD = "spawn"
+_STOP_TIMEOUT_S = 30.0
+MAX_FAILED_STEPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the parent needs from the loaded engine to validate and describe requests without the model."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    limits: PromptLimits
+    tokenizer: Tokenizer
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception as it crosses the pipe: its kind, message and parameter, never the object (not every
+    exception pickles, and a traceback would hold the child's frames)."""
+
+    kind: str  # "invalid_request" | "invalid_config" | "error"
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        if isinstance(error, InvalidRequestError):
+            return cls("invalid_request", str(error), error.param)
+        if isinstance(error, InvalidConfigError):
+            return cls("invalid_config", str(error))
+        if isinstance(error, RequestFailedError):
+            return cls("error", str(error))
+        return cls("error", f"{type(error).__name__}: {error}")
+
+    def exception(self) -> Exception:
+        """The exception to raise on the parent's side."""
+        if self.kind == "invalid_request":
+            return InvalidRequestError(self.message, param=self.param)
+        if self.kind == "invalid_config":
+            return InvalidConfigError(self.message)
+        return RequestFailedError(self.message)
+
+
+class EngineCoreProcess:
+    """The parent's handle on the child: starts it and waits until the model is loaded (blocking; raises what
+    the child failed with), then offers ``send`` (one thread at a time) and ``recv`` (one thread at a time)."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool) -> None:
+        context = multiprocessing.get_context(_START_METHOD)
+        child_inbox, self._outbox = context.Pipe(duplex=False)  # (reading end, writing end)
+        self._inbox, child_outbox = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=run_core,
+            args=(config, progress, child_inbox, child_outbox),
+            name="pagewise-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        child_inbox.close()
+        child_outbox.close()
+        try:
+            first = self._inbox.recv()
+        except EOFError:
+            self._process.join(_STOP_TIMEOUT_S)
+            raise RuntimeError(
+                f"the engine process exited while loading (exit code {self._process.exitcode})"
+            ) from None
+        if first[0] == "failed":
+            self._process.join(_STOP_TIMEOUT_S)
+            raise first[1].exception()
+        self.info: CoreInfo = first[1]
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def send(self, message: tuple) -> None:
+        self._outbox.send(message)
+
+    def recv(self) -> tuple:
+        """The child's next message; ``EOFError`` once it exited and every message was read."""
+        return self._inbox.recv()
+
+    def close(self) -> None:
+        """Ask the child to stop, wait for it (killing it if it does not stop in time) and close the pipes."""
+        with contextlib.suppress(OSError):  # already gone (BrokenPipeError), or the pipe already closed
+            self._outbox.send(("stop",))
+        self._process.join(_STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            _logger.warning("the engine process did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
+            self._process.kill()
+            self._process.join()
+        self._outbox.close()
+        self._inbox.close()
+
+
+# ---- the child
+
+
+def run_core(config: EngineConfig, progress: bool, inbox: Connection, outbox: Connection) -> None:
+    """The child's main: load the engine, report ``ready`` (or ``failed``), then step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from pagewise.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config, progress=progress)
+    except BaseException as error:  # noqa: BLE001 - the parent raises it
+        outbox.send(("failed", Failure.of(error)))
+        return
+    info = CoreInfo(
+        engine.model_name, engine.max_model_len, engine.num_blocks, engine.limits, engine.tokenizer, engine.stats()
+    )
+    outbox.send(("ready", info))
+    try:
+        _step_until_stopped(engine, inbox, outbox)
+    except (EOFError, BrokenPipeError):  # the parent is gone: nobody to serve
+        return
+    except BaseException as error:  # noqa: BLE001 - the parent fails every stream with it
+        _logger.critical("the engine core stopped", exc_info=error)
+        outbox.send(("dead", Failure.of(error)))
+
+
+def _step_until_stopped(engine: Any, inbox: Connection, outbox: Connection) -> None:
+    """Handle messages between steps, step while there is work; raise the last failure after
+    ``MAX_FAILED_STEPS`` failed steps in a row."""
+    failed_steps = 0
+    while True:
+        outputs: list = []
+        idle = not engine.has_unfinished_requests()
+        if idle and not _handle(engine, inbox.recv(), outputs, outbox):  # idle: block until there is a message
+            return
+        while inbox.poll():
+            if not _handle(engine, inbox.recv(), outputs, outbox):
+                return
+        failure = None
+        if engine.has_unfinished_requests():
+            try:
+                outputs.extend(engine.step())
+            except StepFailedError as error:
+                failure = error
+                outputs.extend(error.outputs)
+            failed_steps = failed_steps + 1 if failure else 0
+        for output in outputs:
+            output.prompt_token_ids, output.prompt = [], None
+        outbox.send(("outputs", outputs, engine.stats()))
+        if failed_steps >= MAX_FAILED_STEPS:
+            raise failure
+
+
+def _handle(engine: Any, message: tuple, outputs: list, outbox: Connection) -> bool:
+    """Apply one parent message; False for ``stop``."""
+    kind = message[0]
+    if kind == "stop":
+        return False
+    if kind == "abort":
+        final = engine.abort_request(message[1])
+        if final is not None:
+            outputs.append(final)
+        return True
+    _, engine_id, token_ids, params, tenant_id, tenant_weight, arrival_time, prompt_text = message
+    try:
+        engine.add_request(
+            engine_id,
+            token_ids,
+            params,
+            tenant_id,
+            delta=True,
+            prompt_text=prompt_text,
+            tenant_weight=tenant_weight,
+            arrival_time=arrival_time,
+        )
+    except Exception as error:  # noqa: BLE001 - one request's failure is its own
+        if not isinstance(error, InvalidRequestError):
+            _logger.warning("request %r could not be added", engine_id, exc_info=error)
+            error = RequestFailedError(f"the request could not be added: {type(error).__name__}: {error}")
+        outbox.send(("rejected", engine_id, Failure.of(error)))
+    return True
