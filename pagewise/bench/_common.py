@@ -1,8 +1,11 @@
-"""Small helpers shared by the ``pagewise bench`` subcommands: progress lines, tables, engine stepping."""
+"""Small helpers shared by the ``pagewise bench`` subcommands: progress lines, tables, percentiles, engine
+stepping, a tenant for a benchmark."""
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 import sys
 import time
 
@@ -46,3 +49,37 @@ class Timer:
 
     def __str__(self) -> str:
         return f"{time.perf_counter() - self.start:.1f} s"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), `q` in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(name: str, seconds: list[float]) -> dict[str, float]:
+    """`{name}_mean_ms` and `{name}_p50/p90/p99_ms` of latencies given in seconds."""
+    ms = [s * 1000 for s in seconds]
+    out = {f"{name}_mean_ms": statistics.fmean(ms) if ms else math.nan}
+    out.update({f"{name}_p{q}_ms": percentile(ms, q) for q in (50, 90, 99)})
+    return out
+
+
+def create_inference_key(base: str, admin_key: str) -> str:
+    """A fresh tenant with no limits and an inference key for it, through the admin API."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    name = f"bench-{int(time.time() * 1000)}"
+    unlimited = dict.fromkeys(
+        ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_tokens_per_request", "max_n")
+    )
+    tenant = httpx.post(f"{base}/admin/tenants", json={"name": name, **unlimited}, headers=admin, timeout=30)
+    tenant.raise_for_status()
+    key = httpx.post(f"{base}/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=admin, timeout=30)
+    key.raise_for_status()
+    return key.json()["key"]

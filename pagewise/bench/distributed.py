@@ -31,7 +31,7 @@ AFFINITY_PER_TENANT = 6
 
 
 def _percentile(values: list[float], q: float) -> float:
-    from pagewise.bench.serving import percentile
+    from pagewise.bench._common import percentile
 
     return percentile(values, q)
 
@@ -126,7 +126,7 @@ def _when(value: str) -> float:
 async def _cached_ratio(base: str, admin_key: str, model: str, tenants: int, per_tenant: int) -> dict[str, float]:
     import httpx
 
-    from pagewise.bench.serving import create_inference_key
+    from pagewise.bench._common import create_inference_key
 
     keys = [await asyncio.to_thread(create_inference_key, base, admin_key) for _ in range(tenants)]
     totals = {"prompt": 0, "cached": 0}

@@ -42,8 +42,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagewise.bench._common import Timer, add_model_arg, print_table, progress, random_tokens
-from pagewise.bench.serving import latency_summary
+from pagewise.bench._common import Timer, add_model_arg, latency_summary, print_table, progress, random_tokens
 
 FLOOD, QUIET = "flood", "quiet"
 POLICIES = ("fair", "fcfs")
@@ -106,7 +105,7 @@ async def _flood_stream(engine, prompts: random.Random, workload: Workload, wind
     from pagewise.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=workload.flood_max_tokens, temperature=0, ignore_eos=True)
-    vocab = engine.engine.arch.vocab_size
+    vocab = engine.limits.vocab_size
     while True:
         prompt = random_tokens(prompts.randint(*workload.flood_prompt_tokens), vocab, prompts)
         async with aclosing(engine.generate(prompt, params, tenant_id=FLOOD)) as stream:
@@ -134,7 +133,7 @@ async def _quiet_request(engine, prompt: list[int], workload: Workload, window: 
 async def _quiet_sender(engine, prompts: random.Random, workload: Workload, window: Window, begin: float) -> None:
     """Open loop: a quiet request every interval from ``begin`` to the window's end; returns once every request
     sent has finished (those sent before the window are not measured)."""
-    vocab = engine.engine.arch.vocab_size
+    vocab = engine.limits.vocab_size
     requests = []
     for k in range(math.ceil((window.end - begin) / workload.quiet_interval_s)):
         send_at = begin + k * workload.quiet_interval_s

@@ -19,6 +19,9 @@ Two phases:
    and configuration in this process, alternating. The overhead of a pair is the difference of the two wall
    times (HTTP, auth, quota, persistence, rendering); p50 and p99 over the pairs.
 
+``--workload mixed`` runs the throughput workload instead: offline, then served all at once and at each
+``--rate`` (see ``served_workload``), reporting the served/offline ratio.
+
 With ``--json`` stdout is one JSON object; progress always goes to stderr (every 5 s during the load). The
 exit status is 1 when any request failed.
 """
@@ -42,11 +45,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from pagewise.bench._common import create_inference_key, latency_summary, percentile
 from pagewise.bench._common import progress as log
 from pagewise.bench.distributed import prefix_affinity, queue_hop
 from pagewise.bench.local_server import local_server
 
 DEFAULT_NUM_REQUESTS = 32
+MIXED_NUM_REQUESTS = 64
+MIXED_RATES = [math.inf, 0.75]
 DEFAULT_CONCURRENCY = 8
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_OVERHEAD_REQUESTS = 40
@@ -77,7 +83,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PAGEWISE_API_KEY"), help="inference key for --url")
     parser.add_argument("--admin-key", help="with --url and no --api-key: create a tenant and a key with this")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="without --duration")
+    parser.add_argument(
+        "--workload",
+        choices=("chat", "mixed"),
+        default="chat",
+        help="chat: the load, overhead and queue-hop phases below; mixed: the throughput workload served (all at "
+        "once and at each --rate) against the engine offline on the same requests",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        action="append",
+        dest="rates",
+        metavar="REQ_PER_S",
+        help="mixed: a Poisson arrival rate (repeatable; inf = all at once; default: inf and 0.75)",
+    )
+    parser.add_argument("--sampled", action="store_true", help="mixed: temperature 0.8, top-p 0.95, top-k 50")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"without --duration (default: {DEFAULT_NUM_REQUESTS}; mixed: {MIXED_NUM_REQUESTS})",
+    )
     parser.add_argument(
         "--duration",
         type=float,
@@ -137,24 +163,6 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), `q` in [0, 100]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def latency_summary(name: str, seconds: list[float]) -> dict[str, float]:
-    """`{name}_mean_ms` and `{name}_p50/p90/p99_ms` of latencies given in seconds."""
-    ms = [s * 1000 for s in seconds]
-    out = {f"{name}_mean_ms": statistics.fmean(ms) if ms else math.nan}
-    out.update({f"{name}_p{q}_ms": percentile(ms, q) for q in (50, 90, 99)})
-    return out
-
-
 # ---- progress (stderr)
 
 
@@ -197,22 +205,6 @@ def bench_server(model: str, max_model_len: int, workers: int = 0) -> Iterator[t
         database_url = f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"
         with local_server(Path(tmp), database_url, [*engine_args, "--log-level", "warning"]) as server:
             yield server.base, server.admin_key
-
-
-def create_inference_key(base: str, admin_key: str) -> str:
-    """A fresh tenant with no limits and an inference key for it, through the admin API."""
-    import httpx
-
-    admin = {"Authorization": f"Bearer {admin_key}"}
-    name = f"bench-{int(time.time() * 1000)}"
-    unlimited = dict.fromkeys(
-        ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_tokens_per_request", "max_n")
-    )
-    tenant = httpx.post(f"{base}/admin/tenants", json={"name": name, **unlimited}, headers=admin, timeout=30)
-    tenant.raise_for_status()
-    key = httpx.post(f"{base}/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=admin, timeout=30)
-    key.raise_for_status()
-    return key.json()["key"]
 
 
 # ---- load phase
@@ -453,13 +445,39 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--workers must be >= 0, and cannot be combined with --url"
     if args.url and not (args.api_key or args.admin_key):
         return "--url needs --api-key (or PAGEWISE_API_KEY) or --admin-key"
+    if args.workload == "chat" and (args.rates or args.sampled):
+        return "--rate and --sampled apply to --workload mixed"
+    if args.rates and not all(r > 0 for r in args.rates):
+        return "--rate must be a positive number of requests per second (inf: all at once)"
     return None
 
 
+def _run_mixed(args: argparse.Namespace) -> int:
+    from pagewise.bench.served_workload import print_mixed, run_mixed
+
+    args.rates = args.rates or MIXED_RATES
+    started = time.perf_counter()
+    try:
+        result = run_mixed(args, _server(args))
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    result.update(url=args.url or "local", workers=args.workers, bench_seconds=time.perf_counter() - started)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_mixed(result)
+    return 0 if result["num_errors"] == 0 else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.num_requests is None:
+        args.num_requests = MIXED_NUM_REQUESTS if args.workload == "mixed" else DEFAULT_NUM_REQUESTS
     if problem := _usage_error(args):
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.workload == "mixed":
+        return _run_mixed(args)
     plan = LoadPlan(args.concurrency, args.max_tokens, args.num_requests, args.duration)
     started = time.perf_counter()
     engine: _EngineOnItsLoop | None = None

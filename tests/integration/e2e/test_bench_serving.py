@@ -54,3 +54,19 @@ def test_bench_serving_duration_closed_loop() -> None:
     _assert_load_figures(result)
     assert "overhead_p50_ms" not in result
     assert "load: 4 concurrent clients, 4 tokens each, for 3 s" in stderr
+
+
+def test_bench_serving_mixed_workload_served_against_offline() -> None:
+    result, stderr = _bench(
+        "--workload", "mixed", "--num-requests", "4", "--rate", "inf", "--rate", "8", "--max-model-len", "1024"
+    )
+    assert (result["workload"], result["num_requests"], result["num_errors"]) == ("mixed", 4, 0)
+    loads = result["loads"]
+    assert [load["rate"] for load in loads] == [None, 8.0]  # None: all at once
+    for load in loads:
+        assert load["errors"] == [] and load["output_tokens_per_s"] > 0
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            assert load[key] > 0, (key, load[key])
+    assert result["offline_output_tokens_per_s"] > 0
+    assert result["served_offline_ratio"] == loads[0]["output_tokens_per_s"] / result["offline_output_tokens_per_s"]
+    assert "offline: 4 requests" in stderr
