@@ -20,6 +20,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int)
     group.add_argument("--max-num-seqs", type=int)
     group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument(
+        "--fair-max-num-batched-tokens",
+        type=int,
+        help="fair policy: the step budget while two or more tenants are active (default: 1024 on CPU)",
+    )
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--kv-cache-memory-bytes", type=int)
     group.add_argument("--gpu-memory-utilization", type=float)

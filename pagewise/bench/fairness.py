@@ -244,6 +244,7 @@ def _engine(args: argparse.Namespace, policy: str):
         model=args.model,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        fair_max_num_batched_tokens=args.fair_max_num_batched_tokens,
         scheduling_policy=policy,
     )
     return AsyncLLMEngine(config, progress=False)
@@ -345,6 +346,7 @@ def _result(
         "model": model,
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "fair_max_num_batched_tokens": args.fair_max_num_batched_tokens,
         "workload": dataclasses.asdict(workload),
         "phases": phases,
         "ttft_p99_ratio_fcfs": fcfs["quiet_ttft_p99_ms"] / solo_p99,
@@ -394,6 +396,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arg(parser)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (engine default)")
+    parser.add_argument(
+        "--fair-max-num-batched-tokens",
+        type=int,
+        help="fair engine: the step budget while both tenants are active (engine default: 1024 on CPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
     def knob(flag: str, help_text: str, **kwargs: Any) -> None:

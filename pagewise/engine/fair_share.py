@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagewise.engine.request import Request
 
+RECENT_STEPS = 32  # a tenant that had work within this many steps counts as sharing the engine
 PROMPT_COST = 1.0
 CACHED_COST = 0.1
 OUTPUT_COST = 2.0  # the paper's default weight of an output token relative to an input token
@@ -39,6 +40,17 @@ class FairShare:
 
     served: dict[str, float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    last_active: dict[str, int] = field(default_factory=dict)  # tenant -> the latest step it had work at
+
+    def note_active(self, tenants: Iterable[str], step: int) -> int:
+        """Record that ``tenants`` have work at ``step``; return how many tenants had work within the last
+        ``RECENT_STEPS`` steps (those earlier are forgotten)."""
+        for tenant in tenants:
+            self.last_active[tenant] = step
+        horizon = step - RECENT_STEPS
+        for tenant in [t for t, s in self.last_active.items() if s <= horizon]:
+            del self.last_active[tenant]
+        return len(self.last_active)
 
     def key(self, request: Request) -> tuple[float, int, int]:
         """Scheduling order: the least-served tenant first, then arrival order within and across tenants."""

@@ -65,6 +65,7 @@ class LLMEngine:
         self.arch = arch
         self.max_model_len = config.resolve_max_model_len(arch.max_position_embeddings)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
+        fair_budget = config.resolve_fair_max_num_batched_tokens(self.max_num_batched_tokens, self.max_model_len)
         self.block_size = config.block_size
         with skip_weight_init():
             model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
@@ -104,6 +105,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
             config.preemption_mode,
             config.scheduling_policy,
+            fair_budget,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sampler = Sampler(

@@ -12,7 +12,9 @@ Two policies decide the order:
   each, least-served tenant first), then swapped requests come back, then the prefill work — chunks of running
   prompts and admissions of waiting requests alike — goes to the least-served tenant first, each tenant's own
   requests in arrival order; the victim is the newest running request of the most-served tenant. So a tenant's
-  flood of long prompts cannot hold the budget while another tenant waits for its first token.
+  flood of long prompts cannot hold the budget while another tenant waits for its first token. While two or more
+  tenants have had work within ``fair_share.RECENT_STEPS`` steps, a step's budget is the shared one
+  (``shared_max_num_batched_tokens``): a tenant that arrives waits for a shorter step in flight.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Scheduler:
         enable_chunked_prefill: bool,
         preemption_mode: str,
         policy: str = "fcfs",
+        shared_max_num_batched_tokens: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -80,7 +83,11 @@ class Scheduler:
         self.pending_forks: dict[Request, list[Request]] = {}
         self.stats = SchedulerStats()
         self.fair = FairShare() if policy == "fair" else None
+        self.shared_max_num_batched_tokens = min(
+            shared_max_num_batched_tokens or max_num_batched_tokens, max_num_batched_tokens
+        )
         self._budget = 0
+        self._step = 0
 
     def add_request(
         self, leader: Request, followers: list[Request] | None = None, tenant_weight: float = 1.0
@@ -100,7 +107,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._budget = self.max_num_batched_tokens
+        self._step += 1
+        self._budget = self._step_budget()
         if self.fair is None:
             preempted = self._schedule_running(out, list(self.running))
             if not preempted:
@@ -111,6 +119,14 @@ class Scheduler:
             self._schedule_fair(out)
         out.block_ops = self.kv.take_block_ops()
         return out
+
+    def _step_budget(self) -> int:
+        """The full budget, or under ``fair`` the shared one while two or more tenants have had work lately."""
+        if self.fair is None or self.shared_max_num_batched_tokens == self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        tenants = {tenant_of(r) for queue in (self.running, self.waiting, self.swapped) for r in queue}
+        shared = self.fair.note_active(tenants, self._step) >= 2
+        return self.shared_max_num_batched_tokens if shared else self.max_num_batched_tokens
 
     def _schedule_running(self, out: SchedulerOutput, requests: list[Request]) -> bool:
         """Give each running request of ``requests``, in that order, the tokens it needs (budget permitting);

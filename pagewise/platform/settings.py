@@ -18,6 +18,7 @@ _POSITIVE_ENGINE_FLAGS = (
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "fair_max_num_batched_tokens",
     "kv_cache_memory_bytes",
 )
 
@@ -34,6 +35,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    fair_max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     swap_space_bytes: int | None = None

@@ -8,7 +8,8 @@ scheduled prefill or decode just computes its tokens, as in `test_scheduler_prop
 - No banking: a tenant idle while another ran is lifted to the other's counter when it arrives, so it does not
   get the engine to itself until it "catches up".
 - Weights: a tenant of weight 2 is served twice the tokens of a tenant of weight 1 while both are backlogged.
-- FCFS is unchanged, and a tenant alone gets every step's full budget (work-conserving).
+- FCFS is unchanged, and a tenant alone gets every step's full budget (work-conserving); while two tenants
+  share, steps keep to the shared budget.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagewise.engine.block_pool import BlockPool
-from pagewise.engine.fair_share import OUTPUT_COST, PROMPT_COST
+from pagewise.engine.fair_share import OUTPUT_COST, PROMPT_COST, RECENT_STEPS
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.request import Request
 from pagewise.engine.sampling_params import SamplingParams
@@ -33,10 +34,18 @@ BS = 4
 class Sim:
     """A scheduler over a real block pool, stepped with simulated compute; counts raw tokens served per tenant."""
 
-    def __init__(self, *, num_blocks: int = 400, budget: int = 32, max_num_seqs: int = 8, policy: str = "fair"):
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 400,
+        budget: int = 32,
+        max_num_seqs: int = 8,
+        policy: str = "fair",
+        shared_budget: int | None = None,
+    ):
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.kv = KVCacheManager(self.pool, BS, num_swap_slots=0)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, budget, True, "recompute", policy)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, budget, True, "recompute", policy, shared_budget)
         self.served: Counter[str] = Counter()
         self.arrivals = 0
         self.rng = random.Random(0)
@@ -130,6 +139,22 @@ def test_a_tenant_alone_gets_the_full_budget(policy: str) -> None:
         sim.submit("solo", 30, 4)
     for _ in range(10):
         assert sum(sim.step().values()) == 16
+
+
+def test_the_shared_budget_holds_while_a_second_tenant_was_active_lately() -> None:
+    """A flood alone gets the full budget; from the step a second tenant has work, and for RECENT_STEPS steps
+    after its last work, every step is at most the shared budget; then the full budget comes back."""
+    sim = Sim(budget=32, max_num_seqs=32, shared_budget=12)
+    for _ in range(40):
+        sim.submit("flood", 120, 8)
+    assert [sum(sim.step().values()) for _ in range(5)] == [32] * 5
+    quiet = sim.submit("quiet", 8, 1)
+    first = sim.step()
+    assert first[quiet] == 8 and sum(first.values()) == 12  # the quiet prompt first, inside the shared budget
+    assert sim.backlog("quiet") == 0
+    shared = [sum(sim.step().values()) for _ in range(RECENT_STEPS - 1)]  # the steps within RECENT_STEPS of it
+    assert shared == [12] * (RECENT_STEPS - 1)
+    assert sum(sim.step().values()) == 32  # the quiet tenant's last work is RECENT_STEPS steps ago
 
 
 def test_a_waiting_quiet_tenant_goes_before_a_flood_of_prefills() -> None:

@@ -358,6 +358,7 @@ def test_kv_budget_too_small_for_one_block(model_path, per_block) -> None:
         (dict(device="tpu"), "device must be 'cpu' or 'cuda\\[:N\\]', got 'tpu'"),
         (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+        (dict(fair_max_num_batched_tokens=0), "fair_max_num_batched_tokens must be >= 1"),
         (dict(max_model_len=1), "max_model_len must be >= 2"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be > 0"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in \\(0, 1\\]"),
@@ -388,6 +389,17 @@ def test_cuda_device_without_cuda(model_path, device) -> None:
 def test_max_model_len_beyond_model_context(model_path) -> None:
     with pytest.raises(InvalidConfigError, match="max_model_len 1,024 exceeds the model's context length 512"):
         LLM(model_path, max_model_len=1024, kv_cache_memory_bytes=1 << 20, progress=False)
+
+
+def test_the_shared_budget_defaults_to_1024_on_cpu_and_never_exceeds_the_budget() -> None:
+    assert EngineConfig().resolve_fair_max_num_batched_tokens(2048, 1024) == 1024
+    assert EngineConfig().resolve_fair_max_num_batched_tokens(256, 1024) == 256
+    assert EngineConfig(fair_max_num_batched_tokens=4096).resolve_fair_max_num_batched_tokens(2048, 1024) == 2048
+    assert EngineConfig(enable_chunked_prefill=False).resolve_fair_max_num_batched_tokens(2048, 1024) == 2048
+    with pytest.raises(InvalidConfigError, match="fair_max_num_batched_tokens \\(256\\) is smaller than max_model_len"):
+        EngineConfig(fair_max_num_batched_tokens=256, enable_chunked_prefill=False).resolve_fair_max_num_batched_tokens(
+            2048, 1024
+        )
 
 
 def test_token_budget_below_max_model_len_without_chunked_prefill(model_path) -> None:
