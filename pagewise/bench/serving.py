@@ -15,8 +15,8 @@ Two phases:
    content chunks. A non-200 answer, an SSE error event, a transport error or a stream without ``[DONE]`` is
    counted as an error (``num_errors``, the first messages in ``errors``) and the run goes on.
 2. Platform overhead: ``--overhead-requests`` pairs of the same ``max_tokens=1`` chat request, one at a time,
-   sent through the API (non-streamed) and straight to an in-process ``AsyncLLMEngine`` with the same model
-   and configuration in this process, alternating. The overhead of a pair is the difference of the two wall
+   sent through the API (non-streamed) and straight to an ``AsyncLLMEngine`` of this bench with the same model
+   and configuration (stepped in a child process, as the server's engine is), alternating. The overhead of a pair is the difference of the two wall
    times (HTTP, auth, quota, persistence, rendering); p50 and p99 over the pairs.
 
 ``--workload mixed`` runs the throughput workload instead: offline, then served all at once and at each
@@ -116,7 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overhead-requests",
         type=int,
         default=DEFAULT_OVERHEAD_REQUESTS,
-        help="max_tokens=1 pairs (API vs in-process engine); 0 skips the overhead phase",
+        help="max_tokens=1 pairs (API vs the engine directly); 0 skips the overhead phase",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help="for the server this starts and the engine"
@@ -350,14 +350,16 @@ def _load_summary(plan: LoadPlan, results: list[RequestResult], duration: float)
 
 
 class _EngineOnItsLoop:
-    """An in-process ``AsyncLLMEngine`` used from a private event loop thread (the bench's own loop stays free
-    for the HTTP client, and neither side's timing includes the other's scheduling)."""
+    """An ``AsyncLLMEngine`` of this process, stepped in a child process as the server's is, used from a private
+    event loop thread (the bench's own loop stays free for the HTTP client, and neither side's timing includes
+    the other's scheduling)."""
 
     def __init__(self, model: str, max_model_len: int) -> None:
         from pagewise.engine.async_engine import AsyncLLMEngine
         from pagewise.engine.config import EngineConfig
 
-        self.engine = AsyncLLMEngine(EngineConfig(model=model, max_model_len=max_model_len), progress=False)
+        config = EngineConfig(model=model, max_model_len=max_model_len)
+        self.engine = AsyncLLMEngine(config, progress=False, process=True)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="bench-engine-loop", daemon=True)
         self._thread.start()
@@ -388,7 +390,7 @@ async def run_overhead(base: str, key: str, model: str, engine: _EngineOnItsLoop
 
     tokenizer = engine.engine.tokenizer
     headers = {"Authorization": f"Bearer {key}"}
-    progress = Progress("overhead (API vs in-process engine, max_tokens=1)", pairs)
+    progress = Progress("overhead (API vs the engine directly, max_tokens=1)", pairs)
     api_s: list[float] = []
     direct_s: list[float] = []
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
@@ -482,9 +484,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     engine: _EngineOnItsLoop | None = None
     if args.overhead_requests:
-        # Built on the main thread before the server starts: an engine built on another thread ran its
-        # requests several times slower here (torch's intra-op threads), which would inflate the baseline.
-        log(f"loading {args.model} in this process (the overhead baseline)")
+        # Loaded before the server starts, so the two loads do not compete for the cores.
+        log(f"loading {args.model} in an engine of this bench (the overhead baseline)")
         engine = _EngineOnItsLoop(args.model, args.max_model_len)
     try:
         with _server(args) as (base, key, admin_key):
