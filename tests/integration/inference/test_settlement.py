@@ -132,7 +132,7 @@ async def test_engine_validation_failure_after_reservation(
     def reject(prompt: object, params: object) -> None:
         raise InvalidRequestError("rejected by the engine", param="prompt")
 
-    monkeypatch.setattr(engine.engine, "process_prompt", reject)
+    monkeypatch.setattr(engine, "process_prompt", reject)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
     response = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
     assert response.status_code == 400, response.text
