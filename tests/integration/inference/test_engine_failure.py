@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -108,7 +110,8 @@ async def test_a_dead_engine_is_not_ready_and_refuses_requests(
 
 
 def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
-    """The real server, with the forward pass broken by the test before it starts."""
+    """The real server, with the forward pass broken by the test before it starts (the engine in a thread of the
+    server, where the test's patch reaches it)."""
     script = tmp_path / "serve_broken.py"
     script.write_text(
         textwrap.dedent(
@@ -127,7 +130,8 @@ def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
     )
     args = ["--max-model-len", str(TEST_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(64 * 2**20)]
     database_url = f"sqlite+aiosqlite:///{tmp_path / 'dying.db'}"
-    with local_server(tmp_path, database_url, args, command=[sys.executable, str(script)]) as server:
+    thread = {"PAGEWISE_ENGINE_PROCESS": "false"}
+    with local_server(tmp_path, database_url, args, env=thread, command=[sys.executable, str(script)]) as server:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
         for _ in range(3):  # three failed steps in a row kill the engine
             if server.process.poll() is not None:
@@ -138,3 +142,33 @@ def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
                 break
         assert server.process.wait(timeout=60) == 3, server.log_path.read_text()[-3000:]
         assert "the engine stopped after an error" in server.log_path.read_text()
+
+
+def _engine_process_of(server_pid: int) -> int:
+    """The pid of the server's engine-core child (spawned by multiprocessing; its resource tracker is not it)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if parent == server_pid and b"spawn_main" in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no engine process under the server {server_pid}")
+
+
+def test_serve_exits_with_status_3_when_its_engine_process_is_killed(tmp_path: Path) -> None:
+    """The real server with its engine in a child process (the default): SIGKILL that child and the server
+    fails what was running, then stops with status 3 for its supervisor."""
+    args = ["--max-model-len", str(TEST_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(64 * 2**20)]
+    database_url = f"sqlite+aiosqlite:///{tmp_path / 'killed.db'}"
+    with local_server(tmp_path, database_url, args) as server:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        ok = httpx.post(f"{server.base}/v1/completions", json=body, headers=bearer(server.admin_key), timeout=60)
+        assert ok.status_code == 200, ok.text
+        os.kill(_engine_process_of(server.process.pid), signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 3, server.log_path.read_text()[-3000:]
+        log = server.log_path.read_text()
+        assert "the engine process exited" in log and "the engine stopped after an error" in log
