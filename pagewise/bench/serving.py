@@ -16,8 +16,9 @@ Two phases:
    counted as an error (``num_errors``, the first messages in ``errors``) and the run goes on.
 2. Platform overhead: ``--overhead-requests`` pairs of the same ``max_tokens=1`` chat request, one at a time,
    sent through the API (non-streamed) and straight to an ``AsyncLLMEngine`` of this bench with the same model
-   and configuration (stepped in a child process, as the server's engine is), alternating. The overhead of a pair is the difference of the two wall
-   times (HTTP, auth, quota, persistence, rendering); p50 and p99 over the pairs.
+   and configuration (stepped in a child process, as the server's engine is), alternating. The overhead of a
+   pair is the difference of the two wall times (HTTP, auth, quota, persistence, rendering); p50 and p99 over
+   the pairs.
 
 ``--workload mixed`` runs the throughput workload instead: offline, then served all at once and at each
 ``--rate`` (see ``served_workload``), reporting the served/offline ratio.
