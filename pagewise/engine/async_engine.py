@@ -397,7 +397,6 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001 - the engine is already dead; the callback must not hide why
                 _logger.exception("on_dead callback failed")
 
-
     # ---- the feeding and delivering threads (an engine in a child process)
 
     def _feed(self) -> None:

@@ -40,6 +40,7 @@ from pagewise.engine.tokenizer import Tokenizer
 _logger = logging.getLogger(__name__)
 _START_METHOD = "spawn"
 _STOP_TIMEOUT_S = 30.0
+_REAP_TIMEOUT_S = 5.0
 MAX_FAILED_STEPS = 3
 
 
@@ -114,6 +115,9 @@ class EngineCoreProcess:
 
     @property
     def exitcode(self) -> int | None:
+        """The child's exit status (negative: the signal that killed it), waiting up to a few seconds for a child
+        whose pipe has closed to be reaped; None if it is still running."""
+        self._process.join(_REAP_TIMEOUT_S)
         return self._process.exitcode
 
     @property
