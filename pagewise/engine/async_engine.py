@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.core_process import MAX_FAILED_STEPS, EngineCoreProcess
@@ -69,6 +69,17 @@ class _Call:
     prompt_token_ids: list[int]
     prompt: str | None
     usage_so_far: RequestUsage = NO_USAGE
+
+
+class _Add(NamedTuple):
+    """An inbox message: start ``call``'s request (an abort is the tuple ``("abort", engine_id)``)."""
+
+    call: _Call
+    token_ids: list[int]
+    text: str | None
+    params: SamplingParams
+    tenant_id: str | None
+    tenant_weight: float
 
 
 def _put_all(items: list[tuple[_Call, RequestOutput | BaseException]]) -> None:
@@ -113,7 +124,7 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
         self._closed = False
         self._on_dead = on_dead
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[_Add | tuple[str, str]] = deque()
         self._lock = threading.Lock()  # guards _calls, _by_caller, _error, _threads, _closed, _in_engine
         self._calls: dict[str, _Call] = {}  # engine id -> call, while its consumer listens
         self._by_caller: dict[str, str] = {}  # caller id -> engine id, while the caller id is in use
@@ -225,7 +236,7 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(f"request id {caller_id!r} is already in use")
             self._by_caller[caller_id] = call.engine_id
             self._calls[call.engine_id] = call
-            self._post(("add", call, token_ids, text, params, tenant_id, tenant_weight))
+            self._post(_Add(call, token_ids, text, params, tenant_id, tenant_weight))
         ended = False
         try:
             while not ended:
@@ -289,22 +300,15 @@ class AsyncLLMEngine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             message = self._inbox.popleft()
-            if message[0] == "abort":
+            if isinstance(message, _Add):
+                self._add(message)
+            else:
                 final = self.engine.abort_request(message[1])
                 if final is not None:
                     self._deliver([final])
-            else:
-                self._add(*message[1:])
 
-    def _add(
-        self,
-        call: _Call,
-        token_ids: list[int],
-        text: str | None,
-        params: SamplingParams,
-        tenant_id: str | None,
-        tenant_weight: float,
-    ) -> None:
+    def _add(self, add: _Add) -> None:
+        call = add.call
         with self._lock:
             listening = self._calls.get(call.engine_id) is call
         if not listening:  # the consumer left before the request got here
@@ -313,12 +317,12 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(
                 call.engine_id,
-                token_ids,
-                params,
-                tenant_id,
+                add.token_ids,
+                add.params,
+                add.tenant_id,
                 delta=True,
-                prompt_text=text,
-                tenant_weight=tenant_weight,
+                prompt_text=add.text,
+                tenant_weight=add.tenant_weight,
                 arrival_time=call.arrival_time,
             )
         except Exception as error:  # noqa: BLE001 - one request's failure is its own
@@ -384,8 +388,8 @@ class AsyncLLMEngine:
             _resolve(call.usage, so_far or call.usage_so_far)
         while self._inbox:  # nothing new can be added once _error is set
             message = self._inbox.popleft()
-            if message[0] == "add":
-                _resolve(message[1].usage, NO_USAGE)
+            if isinstance(message, _Add):
+                _resolve(message.call.usage, NO_USAGE)
         for call in calls:
             dead = EngineDeadError(f"the engine stopped ({why}): {error!r}")
             dead.__cause__ = error
@@ -408,23 +412,16 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 while self._inbox and not self._stopping:
                     message = self._inbox.popleft()
-                    if message[0] == "abort":
-                        self._core.send(message)
+                    if isinstance(message, _Add):
+                        self._send_add(message)
                     else:
-                        self._send_add(*message[1:])
+                        self._core.send(message)
         except (BrokenPipeError, OSError):  # the child is gone; the delivering thread reports it
             return
         self._core.close()
 
-    def _send_add(
-        self,
-        call: _Call,
-        token_ids: list[int],
-        text: str | None,
-        params: SamplingParams,
-        tenant_id: str | None,
-        tenant_weight: float,
-    ) -> None:
+    def _send_add(self, add: _Add) -> None:
+        call = add.call
         with self._lock:  # registered under the lock that _die takes: a call is settled by _die or delivered
             listening = self._error is None and self._calls.get(call.engine_id) is call
             if listening:
@@ -432,7 +429,8 @@ class AsyncLLMEngine:
         if not listening:  # the consumer left (or the engine died) before the request got here
             _resolve(call.usage, NO_USAGE)
             return
-        self._core.send(("add", call.engine_id, token_ids, params, tenant_id, tenant_weight, call.arrival_time, text))
+        wire = (call.engine_id, add.token_ids, add.params, add.tenant_id, add.tenant_weight, call.arrival_time)
+        self._core.send(("add", *wire, add.text))  # core_process's "add" message
 
     def _pump(self) -> None:
         """Deliver what the child sends until it stops; a child that dies, or exits unasked, kills the engine."""
