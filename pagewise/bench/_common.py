@@ -83,3 +83,16 @@ def create_inference_key(base: str, admin_key: str) -> str:
     key = httpx.post(f"{base}/admin/tenants/{tenant.json()['id']}/keys", json={}, headers=admin, timeout=30)
     key.raise_for_status()
     return key.json()["key"]
+
+
+def served_model(base: str, key: str, wanted: str) -> str:
+    """`wanted` if the server at `base` serves it, else the first model it serves (said on stderr)."""
+    import httpx
+
+    response = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    served = [m["id"] for m in response.json()["data"]]
+    if wanted not in served:
+        progress(f"the server serves {served}, not {wanted}: using {served[0]}")
+        return served[0]
+    return wanted

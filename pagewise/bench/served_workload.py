@@ -22,7 +22,7 @@ import random
 import time
 from typing import Any
 
-from pagewise.bench._common import latency_summary
+from pagewise.bench._common import latency_summary, served_model
 from pagewise.bench._common import progress as log
 from pagewise.bench.throughput import SAMPLED, Workload, make_workload, run_engine
 
@@ -121,8 +121,6 @@ def offline(model: str, max_model_len: int, sampled: bool, num_requests: int) ->
 
 def run_mixed(args: argparse.Namespace, server) -> dict[str, Any]:
     """Offline, then every load through ``server`` (a context manager yielding base URL, key and admin key)."""
-    from pagewise.bench.serving import _served_model
-
     workload, engine = offline(args.model, args.max_model_len, args.sampled, args.num_requests)
     result: dict[str, Any] = {
         "workload": "mixed",
@@ -133,7 +131,7 @@ def run_mixed(args: argparse.Namespace, server) -> dict[str, Any]:
         "offline_output_tokens_per_s": engine["engine_tokens_per_s"],
     }
     with server as (base, key, _admin_key):
-        model = _served_model(base, key, args.model)
+        model = served_model(base, key, args.model)
         loads = [asyncio.run(serve_load(base, key, model, workload, rate, args.sampled)) for rate in args.rates]
     result["loads"] = loads
     result["num_errors"] = sum(load["num_errors"] for load in loads)

@@ -46,7 +46,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from pagewise.bench._common import create_inference_key, latency_summary, percentile
+from pagewise.bench._common import create_inference_key, latency_summary, percentile, served_model
 from pagewise.bench._common import progress as log
 from pagewise.bench.distributed import prefix_affinity, queue_hop
 from pagewise.bench.local_server import local_server
@@ -490,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
         engine = _EngineOnItsLoop(args.model, args.max_model_len)
     try:
         with _server(args) as (base, key, admin_key):
-            model = _served_model(base, key, args.model)
+            model = served_model(base, key, args.model)
             load = asyncio.run(run_load(base, key, model, plan))
             result: dict[str, Any] = {"url": args.url or "local", "model": model, **load}
             if engine is not None:
@@ -527,18 +527,6 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str, str | None]]:
     with bench_server(args.model, args.max_model_len, args.workers) as (base, admin_key):
         log(f"server ready at {base}")
         yield base, create_inference_key(base, admin_key), admin_key
-
-
-def _served_model(base: str, key: str, wanted: str) -> str:
-    import httpx
-
-    response = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    response.raise_for_status()
-    served = [m["id"] for m in response.json()["data"]]
-    if wanted not in served:
-        log(f"the server serves {served}, not {wanted}: using {served[0]}")
-        return served[0]
-    return wanted
 
 
 def _print_table(result: dict[str, Any]) -> None:

@@ -8,11 +8,9 @@ import random
 import time
 
 import pytest
-import torch
 
 from pagewise import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
-from pagewise.engine.model_runner import KVCache
 
 BLOCK = 4
 NUM_BLOCKS = 100  # 400 token slots: less than max_model_len (512)
@@ -32,13 +30,8 @@ PROMPTS = [_prompt(1, 1), _prompt(5, 2), _prompt(8, 3), _prompt(13, 4)]
 
 
 @pytest.fixture(scope="module")
-def config(tiny_model) -> EngineConfig:
-    path, model = tiny_model("async-llama")
-    cfg = model.config
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
-                                        cfg.hidden_size // cfg.num_attention_heads, torch.float32)
-    return EngineConfig(model=str(path), block_size=BLOCK, kv_cache_memory_bytes=NUM_BLOCKS * per_block,
-                        max_num_seqs=MAX_NUM_SEQS)
+def config(paged_config) -> EngineConfig:
+    return paged_config("async-llama", BLOCK, NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])

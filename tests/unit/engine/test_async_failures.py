@@ -11,11 +11,9 @@ import threading
 from concurrent.futures import Future
 
 import pytest
-import torch
 
 from pagewise import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from pagewise.engine.errors import EngineDeadError, RequestFailedError, StepFailedError
-from pagewise.engine.model_runner import KVCache
 from pagewise.engine.request_group import SampleState
 
 BLOCK = 4
@@ -35,12 +33,8 @@ VICTIM = _prompt(7, 99)
 
 
 @pytest.fixture(scope="module")
-def config(tiny_model) -> EngineConfig:
-    path, model = tiny_model("async-failures-llama")
-    cfg = model.config
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
-                                        cfg.hidden_size // cfg.num_attention_heads, torch.float32)
-    return EngineConfig(model=str(path), block_size=BLOCK, kv_cache_memory_bytes=200 * per_block, max_num_seqs=8)
+def config(paged_config) -> EngineConfig:
+    return paged_config("async-failures-llama", BLOCK, 200, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

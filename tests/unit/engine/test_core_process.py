@@ -11,11 +11,9 @@ import time
 from concurrent.futures import Future
 
 import pytest
-import torch
 
 from pagewise import AsyncLLMEngine, EngineConfig, SamplingParams
 from pagewise.engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
-from pagewise.engine.model_runner import KVCache
 
 BLOCK = 4
 NUM_BLOCKS = 200
@@ -25,13 +23,8 @@ SHORT = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def config(tiny_model) -> EngineConfig:
-    path, model = tiny_model("core-process-llama")
-    cfg = model.config
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
-                                        cfg.hidden_size // cfg.num_attention_heads, torch.float32)
-    return EngineConfig(model=str(path), block_size=BLOCK, kv_cache_memory_bytes=NUM_BLOCKS * per_block,
-                        max_num_seqs=4)
+def config(paged_config) -> EngineConfig:
+    return paged_config("core-process-llama", BLOCK, NUM_BLOCKS, max_num_seqs=4)
 
 
 def run(coro):
