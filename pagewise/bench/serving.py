@@ -199,12 +199,14 @@ def bench_server(model: str, max_model_len: int, workers: int = 0) -> Iterator[t
 
     with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
         engine_args = ["--model", model, "--max-model-len", str(max_model_len)]
+        quiet = ["--log-level", "warning"]  # no access log line per request, in either mode
         if workers:
-            with distributed_stack(Path(tmp), migrated_sqlite(Path(tmp)), engine_args, workers=workers) as stack:
+            database_url = migrated_sqlite(Path(tmp))
+            with distributed_stack(Path(tmp), database_url, engine_args, workers=workers, serve_args=quiet) as stack:
                 yield stack.api.base, stack.api.admin_key
             return
         database_url = f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"
-        with local_server(Path(tmp), database_url, [*engine_args, "--log-level", "warning"]) as server:
+        with local_server(Path(tmp), database_url, [*engine_args, *quiet]) as server:
             yield server.base, server.admin_key
 
 

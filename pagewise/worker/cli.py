@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from pagewise import event_loop
 from pagewise.platform.cli import add_database_url_argument
 from pagewise.structured_logs import configure_logging
 
@@ -51,7 +52,7 @@ def worker_command(args: argparse.Namespace) -> int:
     except (SettingsError, DatabaseUnreachableError, RedisUnreachableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return STARTUP_ERROR_EXIT_STATUS
-    return asyncio.run(_serve(settings, args))
+    return event_loop.run(_serve(settings, args))
 
 
 async def _serve(settings: Any, args: argparse.Namespace) -> int:

@@ -8,10 +8,11 @@ computed; every check runs before the insert, so a refused create writes nothing
 from __future__ import annotations
 
 import datetime as dt
+from typing import Protocol
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from pagewise.platform.billing.money import micros_for
 from pagewise.platform.billing.schemas import MAX_PRICE_MICROS, PriceCreate, PriceOut
@@ -24,7 +25,16 @@ from pagewise.platform.tenants.names import clean_name
 _PRICE_FIELDS = ("input_per_mtok_micros", "cached_input_per_mtok_micros", "output_per_mtok_micros")
 
 
-def request_cost(price: ModelPrice | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+class PriceTerms(Protocol):
+    """What a request's cost is computed from: a `ModelPrice` or a row of `PRICE_IN_EFFECT`."""
+
+    id: str
+    input_per_mtok_micros: int
+    cached_input_per_mtok_micros: int
+    output_per_mtok_micros: int
+
+
+def request_cost(price: PriceTerms | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
     """Micro-dollars for one request's tokens at `price` (cached prompt tokens at the cached price)."""
     if price is None:
         return 0
@@ -36,20 +46,26 @@ def request_cost(price: ModelPrice | None, prompt_tokens: int, cached_tokens: in
     return micros_for(product)
 
 
-async def price_at(session: AsyncSession, model: str, moment: dt.datetime) -> ModelPrice | None:
+_PRICES = ModelPrice.__table__.c
+# Built once with bind parameters: the request path runs it twice per request at most, and a statement object
+# reused keeps SQLAlchemy from rebuilding its clauses and cache key each time.
+PRICE_IN_EFFECT = (
+    select(_PRICES.id, _PRICES.input_per_mtok_micros, _PRICES.cached_input_per_mtok_micros, _PRICES.output_per_mtok_micros)
+    .where(_PRICES.model == bindparam("model"), _PRICES.effective_from <= bindparam("moment"))
+    .order_by(_PRICES.effective_from.desc())
+    .limit(1)
+)
+
+
+async def price_at(connection: AsyncConnection, model: str, moment: dt.datetime) -> PriceTerms | None:
     """The version of `model`'s price in effect at `moment`, or `None` if it had none yet."""
-    query = (
-        select(ModelPrice)
-        .where(ModelPrice.model == model, ModelPrice.effective_from <= moment.astimezone(dt.UTC))
-        .order_by(ModelPrice.effective_from.desc())
-        .limit(1)
-    )
-    return await session.scalar(query)
+    result = await connection.execute(PRICE_IN_EFFECT, {"model": model, "moment": moment.astimezone(dt.UTC)})
+    return result.first()
 
 
-async def current_rate(session: AsyncSession, model: str, prompt_tokens: int) -> SpendRate | None:
+async def current_rate(connection: AsyncConnection, model: str, prompt_tokens: int) -> SpendRate | None:
     """How admission counts a request's reserved tokens as spend: at `model`'s price now (`None`: unpriced)."""
-    price = await price_at(session, model, utcnow())
+    price = await price_at(connection, model, utcnow())
     if price is None:
         return None
     return SpendRate(prompt_tokens, price.input_per_mtok_micros, price.output_per_mtok_micros)

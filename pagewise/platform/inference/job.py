@@ -147,10 +147,12 @@ class InferenceJob:
             )
         request_id = new_id(_ID_PREFIX[prepared.endpoint])
         tokens, slots = prepared.reserved_tokens, prepared.num_sequences
-        async with services.sessionmaker() as session:
-            rate = await current_rate(session, prepared.model, sum(len(p) for p in prepared.prompts))
-        spend = 0 if rate is None else rate.cost(tokens)
         key = principal.key_quota
+        rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
+        if _has_spend_budget(principal):
+            async with services.sessionmaker() as session:
+                rate = await current_rate(session, prepared.model, sum(len(p) for p in prepared.prompts))
+        spend = 0 if rate is None else rate.cost(tokens)
         refusal = never_fits(principal.limits, tokens, slots, spend) or (
             key and never_fits(key.limits, tokens, slots, spend, "key")
         )
@@ -331,6 +333,14 @@ class InferenceJob:
             generated = finished.usage.completion_tokens - len(self.choices)
             if generated > 0:
                 m.tpot.labels(endpoint).observe((now - self._first_token) / generated)
+
+
+def _has_spend_budget(principal: Principal) -> bool:
+    """Whether a monthly spend budget (the tenant's or the key's) applies to the caller's requests."""
+    key = principal.key_quota
+    return principal.limits.monthly_spend_budget_micros is not None or (
+        key is not None and key.limits.monthly_spend_budget_micros is not None
+    )
 
 
 async def wait_ended(services: PlatformServices, request_id: str, timeout: float) -> None:

@@ -16,7 +16,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 from litestar.types import Guard
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
@@ -50,6 +50,12 @@ class Principal(msgspec.Struct, frozen=True):
     weight: float
     key_quota: KeyQuota | None = None
     allowed_models: tuple[str, ...] | None = None
+
+
+# Built once: every authenticated request runs it, and a reused statement skips rebuilding its clauses.
+_KEY_WITH_TENANT = select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
+    ApiKey.prefix == bindparam("prefix")
+)
 
 
 def tenant_limits(tenant: Tenant) -> QuotaLimits:
@@ -94,13 +100,7 @@ async def authenticate(session: AsyncSession, authorization: str | None) -> Prin
     parsed = parse_key(token)
     if parsed is None:
         raise unauthorized("Malformed API key: expected `pw_<prefix>_<secret>`")
-    row = (
-        await session.execute(
-            select(ApiKey, Tenant)
-            .join(Tenant, Tenant.id == ApiKey.tenant_id)
-            .where(ApiKey.prefix == parsed.prefix)
-        )
-    ).first()
+    row = (await session.execute(_KEY_WITH_TENANT, {"prefix": parsed.prefix})).first()
     if row is None or not secret_matches(parsed.secret, row.ApiKey.secret_sha256):
         raise unauthorized("Incorrect API key provided")
     key, tenant = row.ApiKey, row.Tenant

@@ -15,10 +15,10 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, Select, select, tuple_, update
+from sqlalchemy import ColumnElement, Select, bindparam, insert, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
 from pagewise.platform.billing.prices import price_at, request_cost
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
@@ -86,25 +86,36 @@ def finished_event(final: FinishedRequest, attempt: int) -> Finished:
     )
 
 
+_ROWS = RequestRecord.__table__
+_UNFINISHED = [status.value for status in UNFINISHED_STATUSES]
+# The request path's statements, built once with bind parameters (the SET clause of an update comes from the
+# keys of the parameters it runs with): a reused statement keeps SQLAlchemy from rebuilding its clauses and
+# cache key per request, and Core statements skip the ORM's unit of work, which costs more than the statement.
+_INSERT = insert(_ROWS)
+_START = update(_ROWS).where(_ROWS.c.id == bindparam("request_id"), _ROWS.c.status == RequestStatus.QUEUED.value)
+_FINISH = (
+    update(_ROWS)
+    .where(_ROWS.c.id == bindparam("request_id"), _ROWS.c.status.in_(_UNFINISHED))
+    .returning(_ROWS.c.api_key_id)
+)
+
+
 class RequestStore:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
         self._sessionmaker = sessionmaker
 
     async def create(self, record: RequestRecord) -> None:
-        async with self._sessionmaker() as session:
-            session.add(record)
-            await session.commit()
+        """Insert `record` (a new, unsaved row; its unset columns take their defaults), committed on return."""
+        values = {column.key: getattr(record, column.key) for column in _ROWS.c if column.key in record.__dict__}
+        async with self._sessionmaker() as session, session.begin():
+            await session.execute(_INSERT, values)
 
     async def mark_running(
         self, request_id: str, started_at: dt.datetime, first_token_at: dt.datetime
     ) -> None:
-        async with self._sessionmaker() as session:
-            await session.execute(
-                update(RequestRecord)
-                .where(RequestRecord.id == request_id, RequestRecord.status == RequestStatus.QUEUED.value)
-                .values(status=RequestStatus.RUNNING.value, started_at=started_at, first_token_at=first_token_at)
-            )
-            await session.commit()
+        async with self._sessionmaker() as session, session.begin():
+            values = {"status": RequestStatus.RUNNING.value, "started_at": started_at, "first_token_at": first_token_at}
+            await session.execute(_START, {"request_id": request_id, **values})
 
     async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Settled | None:
         """The final write, its cost and the day's usage, in one transaction. Returns what it billed when this call
@@ -112,19 +123,15 @@ class RequestStore:
         nothing changes.
         """
         async with self._sessionmaker() as session, session.begin():
-            price = await price_at(session, model, result.finished_at)
+            connection = await session.connection()
+            price = await price_at(connection, model, result.finished_at)
             cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
-            price_id = None if price is None else price.id
-            outcome = await session.execute(
-                update(RequestRecord)
-                .where(RequestRecord.id == request_id, RequestRecord.status.in_(UNFINISHED_STATUSES))
-                .values(**msgspec.structs.asdict(result), cost_micros=cost, price_id=price_id)
-                .returning(RequestRecord.api_key_id)
-            )
-            won = outcome.first()
+            values = msgspec.structs.asdict(result)
+            values.update(request_id=request_id, cost_micros=cost, price_id=None if price is None else price.id)
+            won = (await connection.execute(_FINISH, values)).first()
             if won is None:
                 return None
-            await _add_usage(session, _UsageKey(tenant_id, model, won.api_key_id or ""), result, cost)
+            await _add_usage(connection, _UsageKey(tenant_id, model, won.api_key_id or ""), result, cost)
         return Settled(cost)
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:
@@ -189,9 +196,20 @@ class _UsageKey(msgspec.Struct, frozen=True):
 
 
 _USAGE_TOTALS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_micros")
+_USAGE = UsageDaily.__table__
 
 
-async def _add_usage(session: AsyncSession, key: _UsageKey, result: FinishedRequest, cost: int) -> None:
+def _usage_upsert(insert_for_dialect: Any) -> Any:
+    """Add a settled request's totals to its `usage_daily` row, creating the row at its first request."""
+    statement = insert_for_dialect(_USAGE)
+    totals = {k: _USAGE.c[k] + statement.excluded[k] for k in _USAGE_TOTALS}
+    return statement.on_conflict_do_update(index_elements=["tenant_id", "day", "model", "api_key_id"], set_=totals)
+
+
+_USAGE_UPSERT = {"postgresql": _usage_upsert(pg_insert), "sqlite": _usage_upsert(sqlite_insert)}
+
+
+async def _add_usage(connection: AsyncConnection, key: _UsageKey, result: FinishedRequest, cost: int) -> None:
     values = {
         "tenant_id": key.tenant_id,
         "day": result.finished_at.astimezone(dt.UTC).date(),
@@ -203,12 +221,7 @@ async def _add_usage(session: AsyncSession, key: _UsageKey, result: FinishedRequ
         "cached_tokens": result.cached_tokens,
         "cost_micros": cost,
     }
-    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
-    statement = insert(UsageDaily).values(**values)
-    totals = {k: getattr(UsageDaily, k) + getattr(statement.excluded, k) for k in _USAGE_TOTALS}
-    await session.execute(
-        statement.on_conflict_do_update(index_elements=["tenant_id", "day", "model", "api_key_id"], set_=totals)
-    )
+    await connection.execute(_USAGE_UPSERT[connection.dialect.name], values)
 
 
 def tenant_requests(tenant_id: str) -> Select[tuple[RequestRecord]]:
