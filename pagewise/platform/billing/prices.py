@@ -50,7 +50,9 @@ _PRICES = ModelPrice.__table__.c
 # Built once with bind parameters: the request path runs it twice per request at most, and a statement object
 # reused keeps SQLAlchemy from rebuilding its clauses and cache key each time.
 PRICE_IN_EFFECT = (
-    select(_PRICES.id, _PRICES.input_per_mtok_micros, _PRICES.cached_input_per_mtok_micros, _PRICES.output_per_mtok_micros)
+    select(
+        _PRICES.id, _PRICES.input_per_mtok_micros, _PRICES.cached_input_per_mtok_micros, _PRICES.output_per_mtok_micros
+    )
     .where(_PRICES.model == bindparam("model"), _PRICES.effective_from <= bindparam("moment"))
     .order_by(_PRICES.effective_from.desc())
     .limit(1)
