@@ -65,7 +65,8 @@ class _Serving:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+        from pagewise.platform.db.database import Database
+        from pagewise.platform.db.session import create_db_engine
         from pagewise.platform.quotas.memory_store import InProcessQuotaStore
         from pagewise.platform.requests.store import RequestStore
         from pagewise.platform.tracing import TracedQuotaStore
@@ -73,10 +74,10 @@ class _Serving:
         from pagewise.worker.host import EngineHost
 
         self.engine = engine
-        self.db = create_db_engine(database_url)
-        self.sessionmaker = create_sessionmaker(self.db)
+        self.db = Database(create_db_engine(database_url))
+        self.sessionmaker = self.db.sessionmaker
         self.quotas = InProcessQuotaStore()
-        requests = RequestStore(self.sessionmaker)
+        requests = RequestStore(self.db)
         self.hosts = {
             OFF: EngineHost(engine, requests, self.quotas),
             ON: EngineHost(engine, requests, TracedQuotaStore(self.quotas)),

@@ -21,8 +21,9 @@ from pagewise.platform.admin.workers import list_workers
 from pagewise.platform.billing.controllers import PriceController
 from pagewise.platform.billing.exports import ExportController
 from pagewise.platform.dashboard import DASHBOARD_HANDLERS, template_config
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.migrate import upgrade_head
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker, provide_db_session
+from pagewise.platform.db.session import create_db_engine, provide_db_session
 from pagewise.platform.engine_client import EngineClient, Transport
 from pagewise.platform.errors import EXCEPTION_HANDLERS
 from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
@@ -177,14 +178,14 @@ def create_app(
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
-        db = create_db_engine(settings.database_url)
-        with traced_database(db):
-            sessionmaker = create_sessionmaker(db)
+        database = Database(create_db_engine(settings.database_url))
+        with traced_database(database):
+            sessionmaker = database.sessionmaker
             store = traced_quotas(quotas or build_quota_store(settings))
-            requests = RequestStore(sessionmaker)
+            requests = RequestStore(database)
             metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
             transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
-            services = PlatformServices(settings, EngineClient(transport), store, sessionmaker, requests, metrics)
+            services = PlatformServices(settings, EngineClient(transport), store, database, requests, metrics)
             app.state.services, app.state.sessionmaker = services, sessionmaker
             if settings.is_embedded:
                 interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
@@ -207,7 +208,7 @@ def create_app(
                 await transport.close()
                 if quotas is None:
                     await store.close()
-                await db.dispose()
+                await database.dispose()
 
     return Litestar(
         route_handlers=[

@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 from litestar.params import SkipValidation
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.quotas.quota_store import QuotaStore
 from pagewise.platform.requests.store import RequestStore
@@ -27,10 +28,14 @@ class PlatformServices:
     settings: Settings
     engine: EngineClient
     quotas: QuotaStore
-    sessionmaker: async_sessionmaker[AsyncSession]
+    database: Database
     requests: RequestStore
     metrics: PlatformMetrics
     started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
+        return self.database.sessionmaker
 
     def lease_expiry(self) -> dt.datetime:
         """When a row admitted now stops being claimed, unless the engine that takes it renews its lease."""

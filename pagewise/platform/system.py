@@ -46,6 +46,5 @@ async def ready(services: Services) -> Response[Readiness]:
 @get("/metrics", tags=["system"], media_type=CONTENT_TYPE_LATEST)
 async def metrics(request: Request, services: Services) -> Response[bytes]:
     """Prometheus text; 401 without the metrics token or an API key, 403 for a key without `admin`."""
-    async with services.sessionmaker() as session:
-        await authorize_metrics(session, request.headers.get("authorization"), services.settings.metrics_token)
+    await authorize_metrics(services.database, request.headers.get("authorization"), services.settings.metrics_token)
     return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

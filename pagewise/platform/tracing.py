@@ -20,9 +20,9 @@ from litestar.middleware import AuthenticationResult
 from litestar.plugins import InitPlugin
 from litestar.types import Message, Scope
 from opentelemetry import trace
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pagewise import tracing
+from pagewise.platform.db.database import Database
 from pagewise.platform.keys.auth import ApiKeyAuthMiddleware, Principal, bearer_token
 from pagewise.platform.keys.key_format import parse_key
 from pagewise.platform.quotas.quota_store import Decision, QuotaLimits, QuotaStore, Reservation
@@ -101,17 +101,19 @@ def traced_quotas(store: QuotaStore) -> QuotaStore:
 
 
 @contextmanager
-def traced_database(engine: AsyncEngine) -> Iterator[None]:
-    """While open, `engine`'s statements are client spans (when tracing is enabled). One instrumented engine per
-    process at a time: SQLAlchemy's instrumentor is a process-wide singleton."""
+def traced_database(database: Database) -> Iterator[None]:
+    """While open, `database`'s statements (its async engine's and its units of work's) are client spans, when
+    tracing is enabled. One instrumented database per process at a time: SQLAlchemy's instrumentor is a
+    process-wide singleton."""
     if not tracing.enabled():
         yield
         return
     from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
 
     instrumentor = SQLAlchemyInstrumentor()
+    engines = [database.engine.sync_engine, *([database.sync_engine] if database.sync_engine is not None else [])]
     # its declared range stops below SQLAlchemy 2.1, whose engine events it hooks are unchanged
-    instrumentor.instrument(engine=engine.sync_engine, tracer_provider=tracing.provider(), skip_dep_check=True)
+    instrumentor.instrument(engines=engines, tracer_provider=tracing.provider(), skip_dep_check=True)
     try:
         yield
     finally:

@@ -61,7 +61,8 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     import redis.asyncio as redis
 
     from pagewise.platform.app import engine_summary, load_engine
-    from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+    from pagewise.platform.db.database import Database
+    from pagewise.platform.db.session import create_db_engine
     from pagewise.platform.quotas.redis_store import RedisQuotaStore
     from pagewise.platform.requests.store import RequestStore
     from pagewise.platform.telemetry import PlatformMetrics
@@ -81,13 +82,13 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
             loop.call_soon_threadsafe(holder[0].stop)
 
     configure_from_env("pagewise-worker")
-    db = create_db_engine(settings.database_url)
+    db = Database(create_db_engine(settings.database_url))
     quotas = RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
     client = redis.Redis.from_url(settings.redis_url)
     try:
         engine = await anyio.to_thread.run_sync(load_engine, settings, engine_died)
         logger.info("%s", engine_summary(engine))
-        host = EngineHost(engine, RequestStore(create_sessionmaker(db)), traced_quotas(quotas))
+        host = EngineHost(engine, RequestStore(db), traced_quotas(quotas))
         host.metrics = PlatformMetrics(host.stats, engine.model_name)
         if args.metrics_port is not None:
             prometheus_client.start_http_server(args.metrics_port, args.metrics_host, registry=host.metrics.registry)

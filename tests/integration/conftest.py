@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 from pagewise.platform.keys.key_format import generate_key
@@ -156,6 +157,14 @@ def cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
         return code, out.splitlines(), err.splitlines()
 
     return run
+
+
+@pytest.fixture
+async def database(database_url: str) -> AsyncIterator[Database]:
+    """The test's database as the platform's request path uses it, outside any app."""
+    database = Database(create_db_engine(database_url))
+    yield database
+    await database.dispose()
 
 
 @pytest.fixture

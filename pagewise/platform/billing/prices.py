@@ -1,6 +1,6 @@
 """The price table: versions are only added, and a request is priced by the version in effect when it finished.
 
-Invariants: `price_at(model, t)` is the version of `model` with the latest `effective_from` not after `t`, or
+Invariants: `price_in_effect(model, t)` is the version of `model` with the latest `effective_from` not after `t`, or
 `None` (the model is free); a new version must take effect now or later, so it never changes a cost already
 computed; every check runs before the insert, so a refused create writes nothing.
 """
@@ -8,14 +8,16 @@ computed; every check runs before the insert, so a refused create writes nothing
 from __future__ import annotations
 
 import datetime as dt
+from functools import partial
 from typing import Protocol
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.billing.money import micros_for
 from pagewise.platform.billing.schemas import MAX_PRICE_MICROS, PriceCreate, PriceOut
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ModelPrice, as_utc, utcnow
 from pagewise.platform.errors import APIError, invalid_request
@@ -59,15 +61,14 @@ PRICE_IN_EFFECT = (
 )
 
 
-async def price_at(connection: AsyncConnection, model: str, moment: dt.datetime) -> PriceTerms | None:
+def price_in_effect(connection: Connection, model: str, moment: dt.datetime) -> PriceTerms | None:
     """The version of `model`'s price in effect at `moment`, or `None` if it had none yet."""
-    result = await connection.execute(PRICE_IN_EFFECT, {"model": model, "moment": moment.astimezone(dt.UTC)})
-    return result.first()
+    return connection.execute(PRICE_IN_EFFECT, {"model": model, "moment": moment.astimezone(dt.UTC)}).first()
 
 
-async def current_rate(connection: AsyncConnection, model: str, prompt_tokens: int) -> SpendRate | None:
+async def current_rate(database: Database, model: str, prompt_tokens: int) -> SpendRate | None:
     """How admission counts a request's reserved tokens as spend: at `model`'s price now (`None`: unpriced)."""
-    price = await price_at(connection, model, utcnow())
+    price = await database.run(partial(price_in_effect, model=model, moment=utcnow()))
     if price is None:
         return None
     return SpendRate(prompt_tokens, price.input_per_mtok_micros, price.output_per_mtok_micros)

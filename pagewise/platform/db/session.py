@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
-from sqlalchemy import event, make_url, text
+from sqlalchemy import Engine, event, make_url, text
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -26,21 +26,29 @@ class DatabaseUnreachableError(ConnectionError):
     """The database cannot be opened. The message is one line naming the URL (password hidden) and the cause."""
 
 
+SQLITE_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for another to finish
+
+
+def set_sqlite_pragmas(engine: Engine) -> None:
+    """Every connection `engine` opens gets foreign keys on and the write-ahead log (readers never wait for the
+    writer); `synchronous` stays at its default, FULL, so a commit that returned survives a power loss."""
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.close()
+
+
 def create_db_engine(url: str) -> AsyncEngine:
     """An async engine; SQLite gets foreign keys on and a busy timeout so concurrent writers wait.
 
     Statement parameters (prompts, outputs) never appear in SQLAlchemy's errors or logs: `hide_parameters`.
     """
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30}, hide_parameters=True)
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.close()
-
+        engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, hide_parameters=True)
+        set_sqlite_pragmas(engine.sync_engine)
         return engine
     return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, hide_parameters=True)
 

@@ -150,8 +150,7 @@ class InferenceJob:
         key = principal.key_quota
         rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
         if _has_spend_budget(principal):
-            async with services.sessionmaker() as session:
-                rate = await current_rate(session, prepared.model, sum(len(p) for p in prepared.prompts))
+            rate = await current_rate(services.database, prepared.model, sum(len(p) for p in prepared.prompts))
         spend = 0 if rate is None else rate.cost(tokens)
         refusal = never_fits(principal.limits, tokens, slots, spend) or (
             key and never_fits(key.limits, tokens, slots, spend, "key")

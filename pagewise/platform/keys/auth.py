@@ -10,18 +10,19 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+from functools import partial
 
 import msgspec
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 from litestar.types import Guard
-from sqlalchemy import bindparam, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import Connection, Row, bindparam, select, update
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError
-from pagewise.platform.keys.key_format import parse_key, secret_matches
+from pagewise.platform.keys.key_format import ParsedKey, parse_key, secret_matches
 from pagewise.platform.keys.schemas import key_status
 from pagewise.platform.quotas.quota_store import KeyQuota, QuotaLimits
 
@@ -52,31 +53,40 @@ class Principal(msgspec.Struct, frozen=True):
     allowed_models: tuple[str, ...] | None = None
 
 
-# Built once: every authenticated request runs it, and a reused statement skips rebuilding its clauses.
-_KEY_WITH_TENANT = select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
-    ApiKey.prefix == bindparam("prefix")
+_KEYS, _TENANTS = ApiKey.__table__, Tenant.__table__
+_TENANT_COLUMNS = (
+    "name", "status", "requests_per_minute", "tokens_per_minute", "monthly_token_budget", "max_concurrent_requests",
+    "monthly_spend_budget_micros", "max_tokens_per_request", "max_n", "weight",
 )
+# Built once (every authenticated request runs it): the key's columns, and its tenant's as `tenant_<column>`.
+_KEY_WITH_TENANT = (
+    select(_KEYS, *(_TENANTS.c[name].label(f"tenant_{name}") for name in _TENANT_COLUMNS))
+    .join(_TENANTS, _TENANTS.c.id == _KEYS.c.tenant_id)
+    .where(_KEYS.c.prefix == bindparam("prefix"))
+)
+_TOUCH = update(_KEYS).where(_KEYS.c.id == bindparam("key_id"))
 
 
-def tenant_limits(tenant: Tenant) -> QuotaLimits:
+def tenant_limits(row: Row) -> QuotaLimits:
+    """The quota limits of the tenant in a `_KEY_WITH_TENANT` row."""
     return QuotaLimits(
-        requests_per_minute=tenant.requests_per_minute,
-        tokens_per_minute=tenant.tokens_per_minute,
-        monthly_token_budget=tenant.monthly_token_budget,
-        max_concurrent_requests=tenant.max_concurrent_requests,
-        monthly_spend_budget_micros=tenant.monthly_spend_budget_micros,
+        requests_per_minute=row.tenant_requests_per_minute,
+        tokens_per_minute=row.tenant_tokens_per_minute,
+        monthly_token_budget=row.tenant_monthly_token_budget,
+        max_concurrent_requests=row.tenant_max_concurrent_requests,
+        monthly_spend_budget_micros=row.tenant_monthly_spend_budget_micros,
     )
 
 
-def key_quota(key: ApiKey) -> KeyQuota | None:
+def key_quota(row: Row) -> KeyQuota | None:
     """The key's own limits as a quota scope, or `None` when it has none (no counters are kept for it)."""
     limits = QuotaLimits(
-        requests_per_minute=key.requests_per_minute,
-        tokens_per_minute=key.tokens_per_minute,
-        monthly_token_budget=key.monthly_token_budget,
-        monthly_spend_budget_micros=key.monthly_spend_budget_micros,
+        requests_per_minute=row.requests_per_minute,
+        tokens_per_minute=row.tokens_per_minute,
+        monthly_token_budget=row.monthly_token_budget,
+        monthly_spend_budget_micros=row.monthly_spend_budget_micros,
     )
-    return None if limits == QuotaLimits() else KeyQuota(key.id, limits)
+    return None if limits == QuotaLimits() else KeyQuota(row.id, limits)
 
 
 def unauthorized(message: str) -> APIError:
@@ -92,7 +102,7 @@ def bearer_token(authorization: str | None) -> str | None:
     return authorization[7:].strip()
 
 
-async def authenticate(session: AsyncSession, authorization: str | None) -> Principal:
+async def authenticate(database: Database, authorization: str | None) -> Principal:
     """Resolve an `Authorization: Bearer pw_…` header to a principal, or raise 401/403."""
     token = bearer_token(authorization)
     if token is None:
@@ -100,32 +110,35 @@ async def authenticate(session: AsyncSession, authorization: str | None) -> Prin
     parsed = parse_key(token)
     if parsed is None:
         raise unauthorized("Malformed API key: expected `pw_<prefix>_<secret>`")
-    row = (await session.execute(_KEY_WITH_TENANT, {"prefix": parsed.prefix})).first()
-    if row is None or not secret_matches(parsed.secret, row.ApiKey.secret_sha256):
+    return await database.run(partial(_principal, parsed))
+
+
+def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
+    """`authenticate`'s unit of work: look the key up, check it, refresh its `last_used_at` when stale."""
+    row = connection.execute(_KEY_WITH_TENANT, {"prefix": parsed.prefix}).first()
+    if row is None or not secret_matches(parsed.secret, row.secret_sha256):
         raise unauthorized("Incorrect API key provided")
-    key, tenant = row.ApiKey, row.Tenant
     now = utcnow()
-    match key_status(key.revoked_at, key.expires_at, now):
+    match key_status(row.revoked_at, row.expires_at, now):
         case "revoked":
             raise unauthorized("This API key has been revoked")
         case "expired":
             raise unauthorized("This API key has expired")
-    if tenant.status != "active":
-        raise APIError(403, f"Tenant '{tenant.name}' is {tenant.status}", code="tenant_suspended")
-    if key.last_used_at is None or now - as_utc(key.last_used_at) > LAST_USED_RESOLUTION:
-        await session.execute(update(ApiKey).where(ApiKey.id == key.id).values(last_used_at=now))
-        await session.commit()
+    if row.tenant_status != "active":
+        raise APIError(403, f"Tenant '{row.tenant_name}' is {row.tenant_status}", code="tenant_suspended")
+    if row.last_used_at is None or now - as_utc(row.last_used_at) > LAST_USED_RESOLUTION:
+        connection.execute(_TOUCH, {"key_id": row.id, "last_used_at": now})
     return Principal(
-        key_id=key.id,
-        tenant_id=tenant.id,
-        tenant_name=tenant.name,
-        scopes=tuple(key.scopes),
-        limits=tenant_limits(tenant),
-        max_tokens_per_request=tenant.max_tokens_per_request,
-        max_n=tenant.max_n,
-        weight=tenant.weight,
-        key_quota=key_quota(key),
-        allowed_models=None if key.allowed_models is None else tuple(key.allowed_models),
+        key_id=row.id,
+        tenant_id=row.tenant_id,
+        tenant_name=row.tenant_name,
+        scopes=tuple(row.scopes),
+        limits=tenant_limits(row),
+        max_tokens_per_request=row.tenant_max_tokens_per_request,
+        max_n=row.tenant_max_n,
+        weight=row.tenant_weight,
+        key_quota=key_quota(row),
+        allowed_models=None if row.allowed_models is None else tuple(row.allowed_models),
     )
 
 
@@ -133,8 +146,7 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
     """Sets `request.user` to the caller's `Principal` on every non-public route."""
 
     async def authenticate_request(self, connection: ASGIConnection) -> AuthenticationResult:
-        async with connection.app.state.sessionmaker() as session:
-            principal = await authenticate(session, connection.headers.get("authorization"))
+        principal = await authenticate(connection.app.state.services.database, connection.headers.get("authorization"))
         return AuthenticationResult(user=principal, auth=principal.key_id)
 
 
@@ -163,7 +175,7 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-async def authorize_metrics(session: AsyncSession, authorization: str | None, metrics_token: str | None) -> None:
+async def authorize_metrics(database: Database, authorization: str | None, metrics_token: str | None) -> None:
     """Let `/metrics` be read with `Authorization: Bearer <metrics_token>` or an admin key.
 
     No or a wrong bearer is a 401; a valid key without the `admin` scope is a 403 (`insufficient_scope`),
@@ -177,4 +189,4 @@ async def authorize_metrics(session: AsyncSession, authorization: str | None, me
         return
     if parse_key(token) is None:
         raise unauthorized("Incorrect metrics token or API key provided")
-    check_scope(await authenticate(session, authorization), "admin")
+    check_scope(await authenticate(database, authorization), "admin")

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Collection, Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, Select, bindparam, insert, select, tuple_, update
+from sqlalchemy import ColumnElement, Connection, Executable, Select, bindparam, insert, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.billing.prices import price_at, request_cost
+from pagewise.platform.billing.prices import price_in_effect, request_cost
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
 from pagewise.protocol import ErrorCode, ErrorInfo, Finished, Usage
@@ -90,7 +92,7 @@ _ROWS = RequestRecord.__table__
 _UNFINISHED = [status.value for status in UNFINISHED_STATUSES]
 # The request path's statements, built once with bind parameters (the SET clause of an update comes from the
 # keys of the parameters it runs with): a reused statement keeps SQLAlchemy from rebuilding its clauses and
-# cache key per request, and Core statements skip the ORM's unit of work, which costs more than the statement.
+# cache key per request, and Core statements skip the ORM's flush machinery, which costs more than the statement.
 _INSERT = insert(_ROWS)
 _START = update(_ROWS).where(_ROWS.c.id == bindparam("request_id"), _ROWS.c.status == RequestStatus.QUEUED.value)
 _FINISH = (
@@ -101,38 +103,27 @@ _FINISH = (
 
 
 class RequestStore:
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
-        self._sessionmaker = sessionmaker
+    def __init__(self, database: Database) -> None:
+        self._database = database
+        self._sessionmaker = database.sessionmaker
 
     async def create(self, record: RequestRecord) -> None:
         """Insert `record` (a new, unsaved row; its unset columns take their defaults), committed on return."""
         values = {column.key: getattr(record, column.key) for column in _ROWS.c if column.key in record.__dict__}
-        async with self._sessionmaker() as session, session.begin():
-            await session.execute(_INSERT, values)
+        await self._database.run(partial(_execute, _INSERT, values))
 
     async def mark_running(
         self, request_id: str, started_at: dt.datetime, first_token_at: dt.datetime
     ) -> None:
-        async with self._sessionmaker() as session, session.begin():
-            values = {"status": RequestStatus.RUNNING.value, "started_at": started_at, "first_token_at": first_token_at}
-            await session.execute(_START, {"request_id": request_id, **values})
+        values = {"status": RequestStatus.RUNNING.value, "started_at": started_at, "first_token_at": first_token_at}
+        await self._database.run(partial(_execute, _START, {"request_id": request_id, **values}))
 
     async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Settled | None:
         """The final write, its cost and the day's usage, in one transaction. Returns what it billed when this call
         finished the row; `None` when it was already terminal (finished before, or failed by a sweep) — then
         nothing changes.
         """
-        async with self._sessionmaker() as session, session.begin():
-            connection = await session.connection()
-            price = await price_at(connection, model, result.finished_at)
-            cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
-            values = msgspec.structs.asdict(result)
-            values.update(request_id=request_id, cost_micros=cost, price_id=None if price is None else price.id)
-            won = (await connection.execute(_FINISH, values)).first()
-            if won is None:
-                return None
-            await _add_usage(connection, _UsageKey(tenant_id, model, won.api_key_id or ""), result, cost)
-        return Settled(cost)
+        return await self._database.run(partial(_finish, request_id, tenant_id, model, result))
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:
         """What the row's final write recorded, or `None` while it is unfinished (or missing)."""
@@ -187,14 +178,6 @@ class RequestStore:
         return outcome.rowcount or 0
 
 
-class _UsageKey(msgspec.Struct, frozen=True):
-    """Which `usage_daily` row (with the day of `finished_at`) a settled request adds to."""
-
-    tenant_id: str
-    model: str
-    api_key_id: str
-
-
 _USAGE_TOTALS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_micros")
 _USAGE = UsageDaily.__table__
 
@@ -209,19 +192,35 @@ def _usage_upsert(insert_for_dialect: Any) -> Any:
 _USAGE_UPSERT = {"postgresql": _usage_upsert(pg_insert), "sqlite": _usage_upsert(sqlite_insert)}
 
 
-async def _add_usage(connection: AsyncConnection, key: _UsageKey, result: FinishedRequest, cost: int) -> None:
-    values = {
-        "tenant_id": key.tenant_id,
+def _execute(statement: Executable, values: dict[str, Any], connection: Connection) -> None:
+    connection.execute(statement, values)
+
+
+def _finish(
+    request_id: str, tenant_id: str, model: str, result: FinishedRequest, connection: Connection
+) -> Settled | None:
+    """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
+    key's, on the day of `finished_at`."""
+    price = price_in_effect(connection, model, result.finished_at)
+    cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+    values = msgspec.structs.asdict(result)
+    values.update(request_id=request_id, cost_micros=cost, price_id=None if price is None else price.id)
+    won = connection.execute(_FINISH, values).first()
+    if won is None:
+        return None
+    usage = {
+        "tenant_id": tenant_id,
         "day": result.finished_at.astimezone(dt.UTC).date(),
-        "model": key.model,
-        "api_key_id": key.api_key_id,
+        "model": model,
+        "api_key_id": won.api_key_id or "",
         "requests": 1,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "cached_tokens": result.cached_tokens,
         "cost_micros": cost,
     }
-    await connection.execute(_USAGE_UPSERT[connection.dialect.name], values)
+    connection.execute(_USAGE_UPSERT[connection.dialect.name], usage)
+    return Settled(cost)
 
 
 def tenant_requests(tenant_id: str) -> Select[tuple[RequestRecord]]:

@@ -16,9 +16,10 @@ import secrets
 from sqlalchemy import func, select
 
 from pagewise.jobs.exports import export_paths
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ApiKey, BillingExport, ModelPrice, RequestRecord, Tenant
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+from pagewise.platform.db.session import create_db_engine
 from pagewise.platform.requests.store import FinishedRequest, RequestStore
 
 from .conftest import Jobs
@@ -31,16 +32,16 @@ DAYS = ((MONTH + dt.timedelta(days=32)).replace(day=1) - MONTH).days
 
 def _db(url: str, work) -> object:
     async def go() -> object:
-        engine = create_db_engine(url)
+        database = Database(create_db_engine(url))
         try:
-            return await work(create_sessionmaker(engine))
+            return await work(database)
         finally:
-            await engine.dispose()
+            await database.dispose()
 
     return asyncio.run(go())
 
 
-async def _seed(sessionmaker, num_requests: int) -> tuple[str, list[str], list[str]]:
+async def _seed(database: Database, num_requests: int) -> tuple[str, list[str], list[str]]:
     """A tenant with three keys and two priced models, and `num_requests` requests settled across `MONTH`."""
     rng = random.Random(7)
     tenant = Tenant(id=new_id("ten"), name=f"jobs-{secrets.token_hex(4)}", status="active")
@@ -55,7 +56,7 @@ async def _seed(sessionmaker, num_requests: int) -> tuple[str, list[str], list[s
         for _ in range(3)
     ]
     models = [f"m-{secrets.token_hex(3)}" for _ in range(2)]
-    async with sessionmaker() as session:
+    async with database.sessionmaker() as session:
         session.add(tenant)
         await session.flush()
         session.add_all(keys)
@@ -71,7 +72,7 @@ async def _seed(sessionmaker, num_requests: int) -> tuple[str, list[str], list[s
                 )
             )
         await session.commit()
-    store = RequestStore(sessionmaker)
+    store = RequestStore(database)
     for _ in range(num_requests):
         at = MONTH + dt.timedelta(seconds=rng.randrange(DAYS * 86400))
         await _request(store, tenant.id, rng.choice(keys).id, rng.choice(models), at, rng)
@@ -110,8 +111,8 @@ async def _request(
 
 
 def _files(jobs: Jobs, url: str, export_id: str) -> tuple[bytes, bytes]:
-    async def get(sessionmaker) -> BillingExport:
-        async with sessionmaker() as session:
+    async def get(database) -> BillingExport:
+        async with database.sessionmaker() as session:
             return await session.get(BillingExport, export_id)
 
     export = _db(url, get)
@@ -128,8 +129,8 @@ def test_monthly_export_reconciles_reruns_identically_and_revises_for_a_late_req
     csv_bytes, jsonl_bytes = _files(jobs, jobs_database, first["id"])
     assert hashlib.sha256(csv_bytes).hexdigest() == first["csv_sha256"]
 
-    async def row_totals(sessionmaker) -> tuple[int, int, int]:
-        async with sessionmaker() as session:
+    async def row_totals(database) -> tuple[int, int, int]:
+        async with database.sessionmaker() as session:
             query = select(func.count(), func.sum(RequestRecord.cost_micros), func.sum(RequestRecord.prompt_tokens))
             return tuple(map(int, (await session.execute(query.where(RequestRecord.tenant_id == tenant_id))).one()))
 
@@ -147,9 +148,9 @@ def test_monthly_export_reconciles_reruns_identically_and_revises_for_a_late_req
     assert again == first
     assert _files(jobs, jobs_database, first["id"]) == (csv_bytes, jsonl_bytes)
 
-    async def late(sessionmaker) -> None:
+    async def late(database) -> None:
         await _request(
-            RequestStore(sessionmaker),
+            RequestStore(database),
             tenant_id,
             keys[0],
             models[0],
@@ -182,8 +183,8 @@ def test_exports_refuse_unknown_tenants_and_future_periods(jobs: Jobs) -> None:
 def test_retention_drops_old_bodies_and_keeps_usage_and_cost(jobs: Jobs, jobs_database: str) -> None:
     tenant_id, _, _ = _db(jobs_database, lambda sm: _seed(sm, 20))
 
-    async def state(sessionmaker) -> list[tuple]:
-        async with sessionmaker() as session:
+    async def state(database) -> list[tuple]:
+        async with database.sessionmaker() as session:
             query = select(
                 RequestRecord.input, RequestRecord.output, RequestRecord.cost_micros, RequestRecord.body_purged_at
             ).where(RequestRecord.tenant_id == tenant_id)
@@ -198,11 +199,11 @@ def test_retention_drops_old_bodies_and_keeps_usage_and_cost(jobs: Jobs, jobs_da
 
 
 def test_usage_check_finds_usage_daily_in_step_with_the_rows(jobs: Jobs, jobs_database: str) -> None:
-    async def today(sessionmaker) -> None:
-        tenant_id, keys, models = await _seed(sessionmaker, 0)
+    async def today(database) -> None:
+        tenant_id, keys, models = await _seed(database, 0)
         now = dt.datetime.now(dt.UTC)
         for i in range(5):
-            await _request(RequestStore(sessionmaker), tenant_id, keys[i % 3], models[i % 2], now, random.Random(i))
+            await _request(RequestStore(database), tenant_id, keys[i % 3], models[i % 2], now, random.Random(i))
 
     _db(jobs_database, today)
     assert jobs.run("pagewise.check_usage", days_ago=0) == []

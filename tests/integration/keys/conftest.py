@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.migrate import upgrade_head
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker
+from pagewise.platform.db.session import create_db_engine
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -20,7 +21,12 @@ def empty_database_url(request: pytest.FixtureRequest, fresh_database: Callable[
 
 
 @pytest.fixture
-async def empty_db(empty_database_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
-    engine = create_db_engine(empty_database_url)
-    yield create_sessionmaker(engine)
-    await engine.dispose()
+async def empty_database(empty_database_url: str) -> AsyncIterator[Database]:
+    database = Database(create_db_engine(empty_database_url))
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+def empty_db(empty_database: Database) -> async_sessionmaker[AsyncSession]:
+    return empty_database.sessionmaker

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import ApiKey, Tenant
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import authenticate
@@ -27,7 +28,9 @@ async def _count(session: AsyncSession, model: type) -> int:
     return int(await session.scalar(select(func.count()).select_from(model)) or 0)
 
 
-async def test_a_given_admin_key_is_stored_as_that_key(empty_db: async_sessionmaker[AsyncSession]) -> None:
+async def test_a_given_admin_key_is_stored_as_that_key(
+    empty_db: async_sessionmaker[AsyncSession], empty_database: Database
+) -> None:
     chosen = _operator_key()
     async with empty_db() as session:
         created = await KeyService(session).bootstrap_admin(chosen)
@@ -36,11 +39,13 @@ async def test_a_given_admin_key_is_stored_as_that_key(empty_db: async_sessionma
         stored = await session.get(ApiKey, created.id)
         assert stored is not None
         assert (stored.prefix, stored.secret_sha256) == (chosen[3:15], hash_secret(chosen[16:]))
-        principal = await authenticate(session, bearer(chosen)["Authorization"])
+        principal = await authenticate(empty_database, bearer(chosen)["Authorization"])
         assert principal.tenant_name == BOOTSTRAP_TENANT and "admin" in principal.scopes
 
 
-async def test_a_non_empty_database_is_left_alone(empty_db: async_sessionmaker[AsyncSession]) -> None:
+async def test_a_non_empty_database_is_left_alone(
+    empty_db: async_sessionmaker[AsyncSession], empty_database: Database
+) -> None:
     """`PAGEWISE_ADMIN_KEY` seeds an empty database only: later it neither adds nor replaces a key."""
     async with empty_db() as session:
         generated = await KeyService(session).bootstrap_admin()
@@ -49,7 +54,7 @@ async def test_a_non_empty_database_is_left_alone(empty_db: async_sessionmaker[A
         assert await KeyService(session).bootstrap_admin(later) is None
         assert (await _count(session, Tenant), await _count(session, ApiKey)) == (1, 1)
         with pytest.raises(APIError) as unknown:
-            await authenticate(session, bearer(later)["Authorization"])
+            await authenticate(empty_database, bearer(later)["Authorization"])
         assert unknown.value.status_code == 401
 
 

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import RequestRecord, Tenant, UsageDaily, as_utc
-from pagewise.platform.db.session import create_db_engine, create_sessionmaker
 from pagewise.platform.requests.store import ORPHANED_ERROR, FinishedRequest, RequestStore, Settled
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
@@ -29,10 +29,8 @@ MINUTE = dt.timedelta(minutes=1)
 
 
 @pytest.fixture
-async def sessionmaker(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
-    engine = create_db_engine(database_url)
-    yield create_sessionmaker(engine)
-    await engine.dispose()
+def sessionmaker(database: Database) -> async_sessionmaker[AsyncSession]:
+    return database.sessionmaker
 
 
 @pytest.fixture
@@ -73,8 +71,10 @@ async def _rows(
     return {r.id: r for r in rows}, [tuple(u) for u in usage]
 
 
-async def test_finish_twice_adds_usage_once(sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str) -> None:
-    store = RequestStore(sessionmaker)
+async def test_finish_twice_adds_usage_once(
+    database: Database, sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
+) -> None:
+    store = RequestStore(database)
     row = request_row(tenant_id, "completions", T0)
     await store.create(row)
     assert await store.finish(row.id, tenant_id, "m", _result(5)) == Settled(0)  # "m" has no price
@@ -85,9 +85,9 @@ async def test_finish_twice_adds_usage_once(sessionmaker: async_sessionmaker[Asy
 
 
 async def test_fail_orphans_touches_only_expired_unfinished_rows(
-    sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
+    database: Database, sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
 ) -> None:
-    store = RequestStore(sessionmaker)
+    store = RequestStore(database)
     now = T0 + 10 * MINUTE
     expired, soon = now - MINUTE, now + MINUTE
     rows = {
@@ -115,9 +115,9 @@ async def test_fail_orphans_touches_only_expired_unfinished_rows(
 
 
 async def test_finish_after_orphan_sweep_loses_and_adds_no_usage(
-    sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
+    database: Database, sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
 ) -> None:
-    store = RequestStore(sessionmaker)
+    store = RequestStore(database)
     row = request_row(tenant_id, "completions", T0, status="running", lease_expires_at=T0 + MINUTE)
     await store.create(row)
     assert await store.fail_orphans(T0 + 2 * MINUTE) == 1
@@ -127,9 +127,9 @@ async def test_finish_after_orphan_sweep_loses_and_adds_no_usage(
 
 
 async def test_renew_leases_moves_only_unfinished_rows(
-    sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
+    database: Database, sessionmaker: async_sessionmaker[AsyncSession], tenant_id: str
 ) -> None:
-    store = RequestStore(sessionmaker)
+    store = RequestStore(database)
     queued = request_row(tenant_id, "completions", T0, lease_expires_at=T0)
     running = request_row(tenant_id, "chat.completions", T0, status="running", lease_expires_at=T0)
     done = request_row(tenant_id, "completions", T0, status="completed", lease_expires_at=T0)

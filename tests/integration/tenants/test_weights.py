@@ -9,6 +9,7 @@ import secrets
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from pagewise.platform.db.database import Database
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import authenticate
 from pagewise.platform.keys.schemas import KeyCreate
@@ -95,14 +96,14 @@ async def test_the_service_bounds_weights_for_the_cli(session: AsyncSession) -> 
 
 
 @pytest.mark.anyio
-async def test_the_principal_carries_the_tenants_weight(session: AsyncSession) -> None:
+async def test_the_principal_carries_the_tenants_weight(session: AsyncSession, database: Database) -> None:
     tenants = TenantService(session)
     tenant = await tenants.create(TenantCreate(name=f"tier-{secrets.token_hex(4)}", weight=2.0))
     key = (await KeyService(session).create(tenant.id, KeyCreate())).key
-    principal = await authenticate(session, f"Bearer {key}")
+    principal = await authenticate(database, f"Bearer {key}")
     assert (principal.tenant_id, principal.weight) == (tenant.id, 2.0)
     await tenants.update(tenant.id, TenantUpdate(weight=0.5))
-    assert (await authenticate(session, f"Bearer {key}")).weight == 0.5
+    assert (await authenticate(database, f"Bearer {key}")).weight == 0.5
 
 
 def test_cli_create_update_and_list_weights(cli) -> None:

@@ -63,7 +63,7 @@ async def served(
     )
     app = create_app(settings, quotas=quotas)
     async with app.lifespan():
-        host = EngineHost(llm_engine, RequestStore(app.state.sessionmaker), quotas)
+        host = EngineHost(llm_engine, RequestStore(app.state.services.database), quotas)
         client = redis.Redis.from_url(REDIS_URL)
         worker = RedisWorker(host, client, RedisKeys(redis_key_prefix), worker_id="w-test", heartbeat_s=0.2)
         running = asyncio.get_running_loop().create_task(worker.run())

@@ -10,9 +10,9 @@ from pagewise.platform.dashboard.access import LOGIN_PATH
 from pagewise.platform.dashboard.csrf import CSRF_FIELD, LOGIN_COOKIE, csrf_matches, login_cookie, login_token
 from pagewise.platform.dashboard.forms import text
 from pagewise.platform.dashboard.session import close_session, load_session, open_session
-from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import DASHBOARD_PATH, authenticate, check_scope
+from pagewise.platform.services import Services
 from pagewise.platform.tenants.last_admin import ADMIN_SCOPE
 
 NOT_ADMIN = "This key has no admin scope: the dashboard needs an admin key (an inference key only calls the API)."
@@ -39,12 +39,12 @@ class LoginController(Controller):
         return login_page(request)
 
     @post("/", status_code=303)
-    async def sign_in(self, request: Request, db_session: DbSession) -> Template | Redirect:
+    async def sign_in(self, request: Request, services: Services) -> Template | Redirect:
         form = await request.form()
         if not csrf_matches(request.cookies.get(LOGIN_COOKIE), form.get(CSRF_FIELD)):
             return login_page(request, "The login form expired: please sign in again.", 403)
         try:
-            principal = await authenticate(db_session, f"Bearer {text(form, 'api_key')}")
+            principal = await authenticate(services.database, f"Bearer {text(form, 'api_key')}")
             check_scope(principal, ADMIN_SCOPE)
         except APIError as error:
             message = NOT_ADMIN if error.code == "insufficient_scope" else error.message
