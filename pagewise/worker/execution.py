@@ -2,7 +2,8 @@
 
 Invariants:
 - An execution ends with exactly one terminal event — `Finished` (completed / cancelled / failed) or `Rejected`
-  — emitted only after the request's final row is written, so a client that saw the end reads a final row.
+  — emitted only after the request's final row is written, so a client that saw the end reads a final row. The
+  delta of the output that finished the last prompt travels with it (one delivery where there would be two).
 - The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
   reconciled to the billed tokens and cost by the execution whose write won — and again, as a no-op unless its
   writer died in between, by any execution that finds the row already final (`reconcile` acts once per
@@ -23,7 +24,7 @@ import concurrent.futures
 import datetime as dt
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
-Emit = Callable[[Event], Awaitable[None]]
+Emit = Callable[[Sequence[Event]], Awaitable[None]]  # events, delivered in order and together
 
 
 @dataclass(slots=True)
@@ -96,6 +97,8 @@ class Execution:
         self._started_at = time.time()
         self._first_token_at: float | None = None
         self._num_generated = 0
+        self._prompts_done = 0
+        self._held: Delta | None = None  # the last prompt's last delta: it travels with the terminal event
         self._background: set[asyncio.Task[None]] = set()
         self._trace = RequestTrace(submit, attempt)
 
@@ -190,6 +193,8 @@ class Execution:
             self._num_generated += len(c.token_ids)
             choices.append(_choice(index, c, self.submit.params.logprobs))
         self._trace.engine_output(prompt_index, output, self._num_generated)
+        self._prompts_done += output.finished
+        last = self._prompts_done == len(self._prompts)
         if not choices:
             return
         engine_ttft_s = None
@@ -200,15 +205,18 @@ class Execution:
                 started, first = _utc(self._started_at), _utc(self._first_token_at)
                 self._spawn(self._requests.mark_running(self.request_id, started, first))
         reached = [p for p in self._prompts if p.reached_engine]
-        await self._emit(
-            Delta(
-                attempt=self.attempt,
-                choices=choices,
-                prompt_tokens=sum(p.prompt_tokens for p in reached),
-                cached_tokens=sum(p.cached_tokens for p in reached),
-                engine_ttft_s=engine_ttft_s,
-            )
+        delta = Delta(
+            attempt=self.attempt,
+            choices=choices,
+            prompt_tokens=sum(p.prompt_tokens for p in reached),
+            cached_tokens=sum(p.cached_tokens for p in reached),
+            # a held delta waits for the final write: its arrival would overstate the queue hop
+            engine_ttft_s=None if last else engine_ttft_s,
         )
+        if last:  # sent with the terminal event, right after the final write: one delivery, not two
+            self._held = delta
+        else:
+            await self._emit([delta])
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
@@ -297,7 +305,8 @@ class Execution:
         )
 
     async def _send(self, event: Event) -> Event:
-        await self._emit(event)
+        held, self._held = self._held, None
+        await self._emit([held, event] if held is not None else [event])
         return event
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import redis.asyncio as redis
 
@@ -134,9 +135,11 @@ class RedisWorker:
     def _emitter(self, request_id: str) -> Emit:
         stream = self._keys.events(request_id)
 
-        async def emit(event: Event) -> None:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+        async def emit(events: Sequence[Event]) -> None:
+            # one transaction: a reader blocked on the stream wakes once, with every event of the batch
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for event in events:
+                    pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
                 pipe.expire(stream, EVENTS_TTL_S)
                 await pipe.execute()
 
@@ -254,6 +257,6 @@ class RedisWorker:
         elif (final := await requests.final_state(submit.request_id)) is not None:  # its writer died before this
             await quotas.reconcile(submit.reservation, final.prompt_tokens + final.completion_tokens)
         finished = Finished(attempt=deliveries, status="failed", usage=Usage(), error=error, finished_at=time.time())
-        await self._emitter(submit.request_id)(finished)
+        await self._emitter(submit.request_id)([finished])
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
