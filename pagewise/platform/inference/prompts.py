@@ -7,8 +7,9 @@ so admission never reserves quota or writes a row for a request that was bound t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 
@@ -21,7 +22,12 @@ from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Text up to this many characters is tokenized on the event loop: with the default model's chat template that
+# took 57 µs for 40 characters and 160 µs for 500, no more than the hand-off to a thread and back; longer text
+# goes to a thread (2,048 characters took 530 µs), so no request holds the loop for long.
+INLINE_TOKENIZE_CHARS = 512
 Endpoint = Literal["chat.completions", "completions"]
+T = TypeVar("T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,7 +72,7 @@ async def prepare_chat(
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
     try:
-        prompt = await anyio.to_thread.run_sync(engine.encode_chat, messages)
+        prompt = await _tokenize(sum(len(m["content"]) for m in messages), engine.encode_chat, messages)
     except ValueError as error:
         raise invalid_request(
             f"messages cannot be rendered by the chat template: {error}", "messages"
@@ -93,7 +99,7 @@ async def prepare_completion(
     split = _split_prompts(body.prompt)
     _check_sequences(principal, len(split), body.n)
     texts = [p for p in split if isinstance(p, str)]
-    encoded = iter(await anyio.to_thread.run_sync(_encode_all, engine, texts) if texts else ())
+    encoded = iter(await _tokenize(sum(map(len, texts)), _encode_all, engine, texts) if texts else ())
     prompts = [p if isinstance(p, list) else next(encoded) for p in split]
     params = _sampling_params(
         body,
@@ -107,6 +113,13 @@ async def prepare_completion(
     return PreparedRequest(
         "completions", body.model, {"prompt": body.prompt}, prompts, params, body.stream, _include_usage(body)
     )
+
+
+async def _tokenize(num_chars: int, encode: Callable[..., T], *args: Any) -> T:
+    """`encode(*args)`: inline for text of at most `INLINE_TOKENIZE_CHARS` characters, else on a thread."""
+    if num_chars <= INLINE_TOKENIZE_CHARS:
+        return encode(*args)
+    return await anyio.to_thread.run_sync(encode, *args)
 
 
 def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
