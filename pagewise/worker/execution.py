@@ -263,9 +263,12 @@ class Execution:
         if not reports:
             return Usage()
         try:
-            usages = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(r) for r in reports)), USAGE_REPORT_TIMEOUT_S
-            )
+            if all(r.done() for r in reports):  # the usual case: reported along with the last output
+                usages = [r.result() for r in reports]
+            else:
+                usages = await asyncio.wait_for(
+                    asyncio.gather(*(asyncio.wrap_future(r) for r in reports)), USAGE_REPORT_TIMEOUT_S
+                )
         except Exception:  # noqa: BLE001 - a dead or hung engine: bill what its deltas reported
             logger.exception("request %s: no usage report; billing the streamed counts", self.request_id)
             reached = [p for p in self._prompts if p.reached_engine]
