@@ -88,11 +88,19 @@ class TracedQuotaStore:
             return decision
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
-        attributes = {"pagewise.tenant.id": reservation.tenant_id, "pagewise.quota.tokens": actual_tokens}
-        with tracing.tracer().start_as_current_span("pagewise.quota.reconcile", attributes=attributes) as span:
+        with reconcile_span(reservation, actual_tokens) as span:
             reconciled = await self.store.reconcile(reservation, actual_tokens, actual_cost)
             span.set_attribute("pagewise.quota.reconciled", reconciled)
             return reconciled
+
+
+@contextmanager
+def reconcile_span(reservation: Reservation, actual_tokens: int) -> Iterator[trace.Span]:
+    """The `pagewise.quota.reconcile` span (a no-op one with tracing off); the caller sets
+    `pagewise.quota.reconciled` once it knows."""
+    attributes = {"pagewise.tenant.id": reservation.tenant_id, "pagewise.quota.tokens": actual_tokens}
+    with tracing.tracer().start_as_current_span("pagewise.quota.reconcile", attributes=attributes) as span:
+        yield span
 
 
 def traced_quotas(store: QuotaStore) -> QuotaStore:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagewise.platform.quotas.quota_store import QuotaStore
+from pagewise.platform.quotas.quota_store import QuotaStore, Reservation
 from pagewise.platform.requests.store import FinishedRequest, RequestStore, Settled, finished_event
 from pagewise.protocol import (
     ChoiceDelta,
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
 Emit = Callable[[Sequence[Event]], Awaitable[None]]  # events, delivered in order and together
+# A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the events, so that
+# no reader sees them before the reconcile (a client's next request must find its slot free).
+Settle = Callable[[Reservation, int, "int | None", Sequence[Event]], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -85,10 +88,12 @@ class Execution:
         emit: Emit,
         *,
         attempt: int = 1,
+        settle: Settle | None = None,
     ) -> None:
         self.submit = submit
         self.attempt = attempt
         self._engine, self._requests, self._quotas, self._emit = engine, requests, quotas, emit
+        self._settle_and_emit = settle  # None: `quotas.reconcile`, then `emit`
         n = submit.params.n
         self._choices = [_Choice() for _ in range(len(submit.prompts) * n)]
         self._prompts = [_Prompt() for _ in submit.prompts]
@@ -220,18 +225,18 @@ class Execution:
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
-        if await self._finish(self._result("failed", error, Usage())) is not None:
-            self.won = True
-            await self._quotas.reconcile(self.submit.reservation, 0)
-        return await self._send(Rejected(error=error))
+        won = await self._finish(self._result("failed", error, Usage())) is not None
+        self.won = won
+        return await self._send(Rejected(error=error), reconcile=(0, None) if won else None)
 
     async def _settle(self, status: str, error: ErrorInfo | None) -> Event:
         usage = await self._usage()
         result = self._result(status, error, usage)
         settled = await self._finish(result)
+        reconcile = None
         if settled is not None:
             self.won = True
-            await self._quotas.reconcile(self.submit.reservation, usage.total, settled.cost_micros)
+            reconcile = (usage.total, settled.cost_micros)
             event = Finished(
                 attempt=self.attempt,
                 status=status,
@@ -249,7 +254,7 @@ class Execution:
                 attempt=self.attempt, status=status, usage=usage, error=error, finished_at=time.time()
             )
         await asyncio.gather(*self._background, return_exceptions=True)
-        return await self._send(event)
+        return await self._send(event, reconcile=reconcile)
 
     async def _settle_quota_of(self, final: FinishedRequest) -> None:
         """Reconcile the reservation to what the final row billed. The writer of the row reconciles right after
@@ -307,9 +312,18 @@ class Execution:
             finished_at=dt.datetime.now(dt.UTC),
         )
 
-    async def _send(self, event: Event) -> Event:
+    async def _send(self, event: Event, reconcile: tuple[int, int | None] | None = None) -> Event:
+        """Emit `event` (after the held delta, if any); with `reconcile` (tokens, cost), the reservation is
+        reconciled to it first — in the same step as the emit where the transport offers one."""
         held, self._held = self._held, None
-        await self._emit([held, event] if held is not None else [event])
+        events = [held, event] if held is not None else [event]
+        if reconcile is None:
+            await self._emit(events)
+        elif self._settle_and_emit is not None:
+            await self._settle_and_emit(self.submit.reservation, *reconcile, events)
+        else:
+            await self._quotas.reconcile(self.submit.reservation, *reconcile)
+            await self._emit(events)
         return event
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:

@@ -11,6 +11,8 @@ Invariants:
 - A redelivered Submit never bills twice: the final write is guarded, and a request already final is answered
   from its row (`Execution.run`).
 - An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
+- A settlement — the winning execution's reconcile and its terminal events — is one MULTI/EXEC when the quotas
+  live in this Redis: the reconcile runs first, and no reader sees the events without it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ import uuid
 from collections.abc import Sequence
 
 import redis.asyncio as redis
+from redis.asyncio.client import Pipeline
 
+from pagewise.platform.quotas.quota_store import Reservation
+from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import FinishedRequest
+from pagewise.platform.tracing import reconcile_span
 from pagewise.protocol import ErrorCode, ErrorInfo, Event, Finished, RedisKeys, Usage, decode_submit, encode
-from pagewise.worker.execution import Emit
+from pagewise.worker.execution import Emit, Settle
 from pagewise.worker.host import EngineHost
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,9 @@ class RedisWorker:
         self._max_deliveries = max_deliveries
         self._stopping = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
+        store = getattr(host.quotas, "store", host.quotas)  # under a tracing wrapper, the store itself
+        # quotas in this Redis: a settlement's reconcile and its events go in one transaction (one round trip)
+        self._redis_quotas = store if isinstance(store, RedisQuotaStore) else None
 
     @property
     def inbox(self) -> str:
@@ -120,7 +129,8 @@ class RedisWorker:
             return
         if await self._redis.exists(self._keys.aborted(submit.request_id)):
             self.host.abort(submit.request_id)  # remembered, and applied when `run` creates the execution
-        task = self.host.run(submit, self._emitter(submit.request_id), attempt=attempt)
+        emit, settle = self._emitter(submit.request_id), self._settler(submit.request_id)
+        task = self.host.run(submit, emit, attempt=attempt, settle=settle)
 
         async def finish() -> None:
             try:
@@ -138,12 +148,28 @@ class RedisWorker:
         async def emit(events: Sequence[Event]) -> None:
             # one transaction: a reader blocked on the stream wakes once, with every event of the batch
             async with self._redis.pipeline(transaction=True) as pipe:
-                for event in events:
-                    pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
-                pipe.expire(stream, EVENTS_TTL_S)
+                _queue_events(pipe, stream, events)
                 await pipe.execute()
 
         return emit
+
+    def _settler(self, request_id: str) -> Settle | None:
+        """The reconcile and the events in one MULTI/EXEC when the quotas live in this Redis: the reconcile runs
+        first, and no reader can see the events before it (nor the events go out if it cannot run)."""
+        store = self._redis_quotas
+        if store is None:
+            return None
+        stream = self._keys.events(request_id)
+
+        async def settle(reservation: Reservation, tokens: int, cost: int | None, events: Sequence[Event]) -> None:
+            with reconcile_span(reservation, tokens) as span:
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    await store.queue_reconcile(pipe, reservation, tokens, cost)
+                    _queue_events(pipe, stream, events)
+                    reconciled, *_ = await pipe.execute()
+                span.set_attribute("pagewise.quota.reconciled", bool(reconciled))
+
+        return settle
 
     async def _ack(self, stream: str, entry_id: bytes) -> None:
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -260,3 +286,10 @@ class RedisWorker:
         await self._emitter(submit.request_id)([finished])
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
+
+
+def _queue_events(pipe: Pipeline, stream: str, events: Sequence[Event]) -> None:
+    """Append `events` to a request's stream (bounded), and push the stream's expiry back."""
+    for event in events:
+        pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+    pipe.expire(stream, EVENTS_TTL_S)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import redis.asyncio as redis
+from redis.asyncio.client import Pipeline
 
 from pagewise.platform.quotas.quota_store import (
     DEFAULT_LEASE_S,
@@ -251,6 +252,20 @@ class RedisQuotaStore:
         return bool(await self._renew(keys=keys, args=args))
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
+        keys, args = self._reconcile_call(reservation, actual_tokens, actual_cost)
+        return bool(await self._reconcile(keys=keys, args=args))
+
+    async def queue_reconcile(
+        self, pipe: Pipeline, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None
+    ) -> None:
+        """Queue `reconcile` on `pipe` (a pipeline to this store's Redis): it runs when the pipeline does, before
+        the commands queued after it; its reply (1: reconciled now, 0: already) is the pipeline's at that place."""
+        keys, args = self._reconcile_call(reservation, actual_tokens, actual_cost)
+        await self._reconcile(keys=keys, args=args, client=pipe)
+
+    def _reconcile_call(
+        self, reservation: Reservation, actual_tokens: int, actual_cost: int | None
+    ) -> tuple[list[str], list[object]]:
         t, month = reservation.tenant_id, reservation.month
         keys = [self._key(t, "leases"), self._key(t, "slots")]
         for scope_id in (t, reservation.key_id) if reservation.key_id is not None else (t,):
@@ -259,7 +274,7 @@ class RedisQuotaStore:
                 self._key(scope_id, f"month:{month}"),
                 self._key(scope_id, f"spend:{month}"),
             ]
-        args = [
+        args: list[object] = [
             reservation.id,
             reservation.tokens,
             actual_tokens,
@@ -268,7 +283,7 @@ class RedisQuotaStore:
             reservation.spend_delta(actual_tokens, actual_cost),
             int(reservation.key_id is not None),
         ]
-        return bool(await self._reconcile(keys=keys, args=args))
+        return keys, args
 
     async def usage(self, scope_id: str) -> QuotaUsage:
         """A read-only snapshot: leases past their expiry are not counted (the next write drops them)."""
