@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,6 +40,12 @@ from pagewise.engine.limits import PromptLimits
 from pagewise.engine.tokenizer import Tokenizer
 
 _logger = logging.getLogger(__name__)
+# How long the child's OpenMP threads (torch's libgomp) spin after a parallel region before they sleep, unless
+# GOMP_SPINCOUNT is set: libgomp spins 300,000 times by default, so after every step the idle threads keep the
+# cores busy for a while — the cores the serving process's event loop, database thread and Redis need right then
+# to finish the step's requests. 10,000 cut the platform overhead per request with two workers by 1-2 ms and left
+# the engine's throughput within noise (docs/benchmarks.md).
+CHILD_ENVIRONMENT = {"GOMP_SPINCOUNT": "10000"}
 _START_METHOD = "spawn"
 _STOP_TIMEOUT_S = 30.0
 _REAP_TIMEOUT_S = 5.0
@@ -98,7 +106,8 @@ class EngineCoreProcess:
             name="pagewise-engine-core",
             daemon=True,
         )
-        self._process.start()
+        with _child_environment():
+            self._process.start()
         child_inbox.close()
         child_outbox.close()
         try:
@@ -225,3 +234,16 @@ def _handle(engine: Any, message: tuple, outputs: list, outbox: Connection) -> b
             error = RequestFailedError(f"the request could not be added: {type(error).__name__}: {error}")
         outbox.send(("rejected", engine_id, Failure.of(error)))
     return True
+
+
+@contextlib.contextmanager
+def _child_environment() -> Iterator[None]:
+    """`CHILD_ENVIRONMENT` (each variable only where the environment does not set it) for a child started inside;
+    the parent's environment is as before afterwards."""
+    added = {name: value for name, value in CHILD_ENVIRONMENT.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -164,7 +164,7 @@ class RedisWorker:
         async def settle(reservation: Reservation, tokens: int, cost: int | None, events: Sequence[Event]) -> None:
             with reconcile_span(reservation, tokens) as span:
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    await store.queue_reconcile(pipe, reservation, tokens, cost)
+                    store.queue_reconcile(pipe, reservation, tokens, cost)
                     _queue_events(pipe, stream, events)
                     reconciled, *_ = await pipe.execute()
                 span.set_attribute("pagewise.quota.reconciled", bool(reconciled))

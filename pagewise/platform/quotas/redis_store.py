@@ -255,13 +255,15 @@ class RedisQuotaStore:
         keys, args = self._reconcile_call(reservation, actual_tokens, actual_cost)
         return bool(await self._reconcile(keys=keys, args=args))
 
-    async def queue_reconcile(
+    def queue_reconcile(
         self, pipe: Pipeline, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None
     ) -> None:
         """Queue `reconcile` on `pipe` (a pipeline to this store's Redis): it runs when the pipeline does, before
-        the commands queued after it; its reply (1: reconciled now, 0: already) is the pipeline's at that place."""
+        the commands queued after it; its reply (1: reconciled now, 0: already) is the pipeline's at that place.
+        Queued as EVAL of the script's text, not as a registered script: a pipeline holding registered scripts
+        asks Redis whether they are loaded first (`SCRIPT EXISTS`), one more round trip per execution."""
         keys, args = self._reconcile_call(reservation, actual_tokens, actual_cost)
-        await self._reconcile(keys=keys, args=args, client=pipe)
+        pipe.eval(_RECONCILE, len(keys), *keys, *args)
 
     def _reconcile_call(
         self, reservation: Reservation, actual_tokens: int, actual_cost: int | None

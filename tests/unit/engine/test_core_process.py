@@ -5,6 +5,7 @@ process group, shutdown. (Everything both forms share runs against both in ``tes
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ from concurrent.futures import Future
 import pytest
 
 from pagewise import AsyncLLMEngine, EngineConfig, SamplingParams
+from pagewise.engine import core_process
 from pagewise.engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
 
 BLOCK = 4
@@ -106,3 +108,25 @@ def test_ctrl_c_leaves_the_child_running_and_shutdown_stops_it_for_good(config) 
     assert engine._core.exitcode == 0
     with pytest.raises(RuntimeError, match="shut down"):
         engine.start()
+
+
+def _report_spin_count(outbox) -> None:  # noqa: ANN001 - a multiprocessing Connection; runs in the child
+    outbox.send(os.environ.get("GOMP_SPINCOUNT"))
+
+
+@pytest.mark.parametrize("preset", [None, "123"])
+def test_the_child_gets_a_short_openmp_spin_unless_the_environment_sets_one(
+    preset: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if preset is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", preset)
+    context = multiprocessing.get_context("spawn")
+    inbox, outbox = context.Pipe(duplex=False)
+    with core_process._child_environment():
+        child = context.Process(target=_report_spin_count, args=(outbox,))
+        child.start()
+    assert inbox.recv() == (preset or core_process.CHILD_ENVIRONMENT["GOMP_SPINCOUNT"])
+    child.join(30)
+    assert os.environ.get("GOMP_SPINCOUNT") == preset  # the parent's environment is as it was
