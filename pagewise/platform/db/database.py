@@ -5,14 +5,15 @@ A unit of work is a plain function of a Core `Connection`, run in one transactio
 rolled back when it raises (the exception reaches the caller). Where it runs depends on the driver:
 
 - SQLite: on one thread of its own, with the standard library's driver, so a unit costs one thread hand-off.
-  Through aiosqlite every statement costs three or four (cursor, execute, fetch, close) and a commit one more;
-  a request's final write went from ~2.1 to ~0.7 ms this way. SQLite serialises writers anyway, so one thread
+  Through aiosqlite every statement costs three or four (cursor, execute, fetch, close) and a commit one more,
+  and on a busy machine each hand-off is a thread wake-up. SQLite serialises writers anyway, so one thread
   loses no concurrency; a writer on the async engine meanwhile is waited for (the busy timeout), off the loop.
 - PostgreSQL (and an in-memory SQLite database, which a second engine would not see): on a connection of the
   async engine (`run_sync`); asyncpg is natively async, nothing to gain there.
 
 The context (the current trace span) travels with the unit to its thread. A unit cancelled by its caller
-still runs to its end (a commit cannot be taken back halfway): callers treat a cancelled unit as possibly done.
+still runs to its end (a commit cannot be taken back halfway), as it could through aiosqlite: a `queued` row
+whose admission was cancelled that way has a lease nobody renews, and the orphan sweep fails it.
 """
 
 from __future__ import annotations
