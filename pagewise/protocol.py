@@ -109,8 +109,7 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True, tag="delta"):
     prompt_tokens: int
     cached_tokens: int
     # on an attempt's first delta with tokens: seconds from the engine side taking the Submit to that first token
-    # (the API subtracts it from what it waited to get the queue hop); None on every other delta, and on a delta
-    # sent with the terminal event (it waited for the final write)
+    # (the API subtracts it from what it waited to get the queue hop); None on every other delta
     engine_ttft_s: float | None = None
 
 

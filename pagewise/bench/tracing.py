@@ -25,7 +25,7 @@ import json
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,7 +144,7 @@ class _Serving:
         submits = await self.submits(workload, label)
         host = self.hosts[mode]
 
-        async def emit(_: Sequence[Event]) -> None:  # the transport's delivery is not what is measured
+        async def emit(_: Event) -> None:  # the transport's delivery is not what is measured
             return None
 
         with self.tracing(mode):

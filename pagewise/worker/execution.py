@@ -2,8 +2,9 @@
 
 Invariants:
 - An execution ends with exactly one terminal event — `Finished` (completed / cancelled / failed) or `Rejected`
-  — emitted only after the request's final row is written, so a client that saw the end reads a final row. The
-  delta of the output that finished the last prompt travels with it (one delivery where there would be two).
+  — emitted only after the request's final row is written, so a client that saw the end reads a final row. Every
+  delta is emitted before that write: a worker killed between the write and the end leaves a redelivery only the
+  row's `Finished` to re-send, and the client already has every token.
 - The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
   reconciled to the billed tokens and cost by the execution whose write won — and again, as a no-op unless its
   writer died in between, by any execution that finds the row already final (`reconcile` acts once per
@@ -24,7 +25,7 @@ import concurrent.futures
 import datetime as dt
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -54,10 +55,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
-Emit = Callable[[Sequence[Event]], Awaitable[None]]  # events, delivered in order and together
-# A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the events, so that
-# no reader sees them before the reconcile (a client's next request must find its slot free).
-Settle = Callable[[Reservation, int, "int | None", Sequence[Event]], Awaitable[None]]
+Emit = Callable[[Event], Awaitable[None]]
+# A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the terminal event,
+# so that no reader sees it before the reconcile (a client's next request must find its slot free).
+Settle = Callable[[Reservation, int, "int | None", Event], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -102,8 +103,6 @@ class Execution:
         self._started_at = time.time()
         self._first_token_at: float | None = None
         self._num_generated = 0
-        self._prompts_done = 0
-        self._held: Delta | None = None  # the last prompt's last delta: it travels with the terminal event
         self._background: set[asyncio.Task[None]] = set()
         self._trace = RequestTrace(submit, attempt)
 
@@ -198,8 +197,6 @@ class Execution:
             self._num_generated += len(c.token_ids)
             choices.append(_choice(index, c, self.submit.params.logprobs))
         self._trace.engine_output(prompt_index, output, self._num_generated)
-        self._prompts_done += output.finished
-        last = self._prompts_done == len(self._prompts)
         if not choices:
             return
         engine_ttft_s = None
@@ -210,18 +207,15 @@ class Execution:
                 started, first = _utc(self._started_at), _utc(self._first_token_at)
                 self._spawn(self._requests.mark_running(self.request_id, started, first))
         reached = [p for p in self._prompts if p.reached_engine]
-        delta = Delta(
-            attempt=self.attempt,
-            choices=choices,
-            prompt_tokens=sum(p.prompt_tokens for p in reached),
-            cached_tokens=sum(p.cached_tokens for p in reached),
-            # a held delta waits for the final write: its arrival would overstate the queue hop
-            engine_ttft_s=None if last else engine_ttft_s,
+        await self._emit(
+            Delta(
+                attempt=self.attempt,
+                choices=choices,
+                prompt_tokens=sum(p.prompt_tokens for p in reached),
+                cached_tokens=sum(p.cached_tokens for p in reached),
+                engine_ttft_s=engine_ttft_s,
+            )
         )
-        if last:  # sent with the terminal event, right after the final write: one delivery, not two
-            self._held = delta
-        else:
-            await self._emit([delta])
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
@@ -313,17 +307,15 @@ class Execution:
         )
 
     async def _send(self, event: Event, reconcile: tuple[int, int | None] | None = None) -> Event:
-        """Emit `event` (after the held delta, if any); with `reconcile` (tokens, cost), the reservation is
-        reconciled to it first — in the same step as the emit where the transport offers one."""
-        held, self._held = self._held, None
-        events = [held, event] if held is not None else [event]
+        """Emit `event`; with `reconcile` (tokens, cost), the reservation is reconciled to it first — in the same
+        step as the emit where the transport offers one."""
         if reconcile is None:
-            await self._emit(events)
+            await self._emit(event)
         elif self._settle_and_emit is not None:
-            await self._settle_and_emit(self.submit.reservation, *reconcile, events)
+            await self._settle_and_emit(self.submit.reservation, *reconcile, event)
         else:
             await self._quotas.reconcile(self.submit.reservation, *reconcile)
-            await self._emit(events)
+            await self._emit(event)
         return event
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:

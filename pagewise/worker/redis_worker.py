@@ -11,8 +11,8 @@ Invariants:
 - A redelivered Submit never bills twice: the final write is guarded, and a request already final is answered
   from its row (`Execution.run`).
 - An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
-- A settlement — the winning execution's reconcile and its terminal events — is one MULTI/EXEC when the quotas
-  live in this Redis: the reconcile runs first, and no reader sees the events without it.
+- A settlement — the winning execution's reconcile and its terminal event — is one MULTI/EXEC when the quotas
+  live in this Redis: the reconcile runs first, and no reader sees the event without it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 
 import redis.asyncio as redis
 from redis.asyncio.client import Pipeline
@@ -145,27 +144,26 @@ class RedisWorker:
     def _emitter(self, request_id: str) -> Emit:
         stream = self._keys.events(request_id)
 
-        async def emit(events: Sequence[Event]) -> None:
-            # one transaction: a reader blocked on the stream wakes once, with every event of the batch
-            async with self._redis.pipeline(transaction=True) as pipe:
-                _queue_events(pipe, stream, events)
+        async def emit(event: Event) -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                _queue_event(pipe, stream, event)
                 await pipe.execute()
 
         return emit
 
     def _settler(self, request_id: str) -> Settle | None:
-        """The reconcile and the events in one MULTI/EXEC when the quotas live in this Redis: the reconcile runs
-        first, and no reader can see the events before it (nor the events go out if it cannot run)."""
+        """The reconcile and the terminal event in one MULTI/EXEC when the quotas live in this Redis: the reconcile
+        runs first, and no reader can see the event before it (nor does the event go out if it cannot run)."""
         store = self._redis_quotas
         if store is None:
             return None
         stream = self._keys.events(request_id)
 
-        async def settle(reservation: Reservation, tokens: int, cost: int | None, events: Sequence[Event]) -> None:
+        async def settle(reservation: Reservation, tokens: int, cost: int | None, event: Event) -> None:
             with reconcile_span(reservation, tokens) as span:
                 async with self._redis.pipeline(transaction=True) as pipe:
                     store.queue_reconcile(pipe, reservation, tokens, cost)
-                    _queue_events(pipe, stream, events)
+                    _queue_event(pipe, stream, event)
                     reconciled, *_ = await pipe.execute()
                 span.set_attribute("pagewise.quota.reconciled", bool(reconciled))
 
@@ -283,13 +281,12 @@ class RedisWorker:
         elif (final := await requests.final_state(submit.request_id)) is not None:  # its writer died before this
             await quotas.reconcile(submit.reservation, final.prompt_tokens + final.completion_tokens)
         finished = Finished(attempt=deliveries, status="failed", usage=Usage(), error=error, finished_at=time.time())
-        await self._emitter(submit.request_id)([finished])
+        await self._emitter(submit.request_id)(finished)
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
 
 
-def _queue_events(pipe: Pipeline, stream: str, events: Sequence[Event]) -> None:
-    """Append `events` to a request's stream (bounded), and push the stream's expiry back."""
-    for event in events:
-        pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+def _queue_event(pipe: Pipeline, stream: str, event: Event) -> None:
+    """Append `event` to a request's stream (bounded), and push the stream's expiry back."""
+    pipe.xadd(stream, {"m": encode(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
     pipe.expire(stream, EVENTS_TTL_S)

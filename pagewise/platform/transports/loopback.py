@@ -7,7 +7,7 @@ second reader (a reconnecting client, `DELETE` waiting for the end) replays them
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +59,10 @@ class LoopbackTransport:
     async def submit(self, submit: Submit) -> None:
         log = self._logs.setdefault(submit.request_id, _Log())
 
-        async def emit(events: Sequence[Event]) -> None:
-            log.events.extend(events)
+        async def emit(event: Event) -> None:
+            log.events.append(event)
             log.changed.set()
-            if isinstance(events[-1], TERMINAL):
+            if isinstance(event, TERMINAL):
                 asyncio.get_running_loop().call_later(RETAIN_S, self._logs.pop, submit.request_id, None)
 
         with tracing.enqueue_span(submit, "pagewise.loopback", "engine") as traced:

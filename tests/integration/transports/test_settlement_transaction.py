@@ -1,4 +1,4 @@
-"""A worker whose quotas live in its Redis settles in one transaction: the reconcile, then the terminal events."""
+"""A worker whose quotas live in its Redis settles in one transaction: the reconcile, then the terminal event."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _finished(tokens: int) -> Finished:
     return Finished(attempt=1, status="completed", usage=Usage(3, tokens - 3, 0), finished_at=time.time())
 
 
-async def test_the_reconcile_and_the_events_go_in_one_transaction(
+async def test_the_reconcile_and_the_terminal_event_go_in_one_transaction(
     llm_engine: AsyncLLMEngine, redis_key_prefix: str
 ) -> None:
     store = RedisQuotaStore.from_url(REDIS_URL, redis_key_prefix)
@@ -41,14 +41,14 @@ async def test_the_reconcile_and_the_events_go_in_one_transaction(
         assert (await store.reserve("t-settle", LIMITS, 20, "cmpl_next")).rejected_by == "concurrency"
 
         event = _finished(7)
-        await settle(decision.reservation, 7, None, [event])
+        await settle(decision.reservation, 7, None, event)
         entries = await client.xrange(keys.events("cmpl_settled"))
         assert [decode_event(fields[b"m"]) for _, fields in entries] == [event]
         usage = await store.usage("t-settle")
         assert usage.concurrent == 0 and usage.tokens_this_minute == 7  # the slot is free, the tokens settled
         assert (await store.reserve("t-settle", LIMITS, 20, "cmpl_next")).reservation is not None
 
-        await settle(decision.reservation, 99, None, [_finished(99)])  # a second settlement changes no counter
+        await settle(decision.reservation, 99, None, _finished(99))  # a second settlement changes no counter
         assert (await store.usage("t-settle")).tokens_this_minute == 7 + 20
         assert len(await client.xrange(keys.events("cmpl_settled"))) == 2
     finally:
