@@ -40,11 +40,8 @@ async def test_where_text_is_tokenized(platform: Platform, monkeypatch: pytest.M
     chat = await prepare_chat(chat_body, PRINCIPAL, engine)
     completion_body = parse_body({"model": MODEL, "prompt": text}, CompletionRequest)
     completion = await prepare_completion(completion_body, PRINCIPAL, engine)
-    loop_thread = threading.current_thread().name
-    expected = loop_thread if chars <= INLINE_TOKENIZE_CHARS else None
-    assert len(threads) == 2
-    for name in threads:
-        assert (name == loop_thread) if expected else (name != loop_thread)
+    inline = chars <= INLINE_TOKENIZE_CHARS
+    assert [name == threading.current_thread().name for name in threads] == [inline, inline]
     tokenizer = engine.transport.tokenizer()
     assert completion.prompts == [tokenizer.encode(text)]
     assert chat.prompts == [tokenizer.apply_chat_template(messages, add_generation_prompt=True)]
