@@ -38,6 +38,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    group.add_argument(
+        "--gemm-path",
+        help="matmul path of the projections: auto (default: the fastest here, timed once per CPU kind), torch or "
+        "onednn-packed; `pagewise bench gemm` times them",
+    )
     group.add_argument("--device", help="cpu or cuda[:N]")
     group.add_argument("--seed", type=int)
     group.add_argument("--cache-dir", help="where converted weights are cached")
@@ -94,10 +99,22 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     if with_bench:
-        from pagewise.bench import capacity, fairness, kernels, parallel_sampling, prefix, serving, step, throughput
+        from pagewise.bench import (
+            capacity,
+            fairness,
+            gemm,
+            kernels,
+            parallel_sampling,
+            prefix,
+            serving,
+            step,
+            throughput,
+        )
         from pagewise.bench import tracing as tracing_bench
 
-        modules = (throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench)
+        modules = (
+            throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm
+        )
         for module in modules:
             module.register(bench)
     platform_cli.register(commands)

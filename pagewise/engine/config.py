@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewise.engine.errors import InvalidConfigError
+from pagewise.engine.gemm_selection import CHOICES as GEMM_CHOICES
 from pagewise.engine.sampling_params import is_int
 from pagewise.engine.scheduler import POLICIES
 
@@ -35,6 +36,9 @@ class EngineConfig:
       minus the memory the process took loading the weights and the peak activations of a profiled largest step
       (``max_num_batched_tokens`` tokens). Start-up fails with a clear error if that leaves nothing, or if the
       share exceeds the memory free at start-up. Ignored on CPU and when ``kv_cache_memory_bytes`` is set.
+    - ``gemm_path``: the matmul path of every projection (``pagewise.kernels.gemm``): ``auto`` times the paths
+      this machine has on the model's shapes and takes the fastest (cached per CPU kind; see
+      ``gemm_selection``), or a path's name forces it.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -51,6 +55,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 1024**3
     dtype: str = "float32"
+    gemm_path: str = "auto"
     device: str = "cpu"
     seed: int = 0
     cache_dir: str | None = None
@@ -88,6 +93,8 @@ class EngineConfig:
             fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.dtype not in _DTYPES:
             fail(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.gemm_path not in GEMM_CHOICES:
+            fail(f"gemm_path must be one of {list(GEMM_CHOICES)}, got {self.gemm_path!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             fail(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -26,10 +26,11 @@ from pagewise.engine.errors import (
     RequestFailedError,
     StepFailedError,
 )
+from pagewise.engine.gemm_selection import select_gemm_path
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.limits import PromptLimits, prompt_token_ids
-from pagewise.engine.loader import load_model
+from pagewise.engine.loader import cache_root, load_model
 from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
 from pagewise.engine.outputs import RequestMetrics, RequestOutput, RequestUsage
@@ -72,6 +73,11 @@ class LLMEngine:
         model.load_hf_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
+        self.gemm = select_gemm_path(
+            config.gemm_path, arch, self.device, config.torch_dtype, cache_root(config.cache_dir)
+        )
+        self.model.use_gemm_path(self.gemm.path)
+        _logger.info("matmul path %s (%s): %s", self.gemm.path, self.gemm.source, self.gemm.gflops or "not timed")
         if budget is None:
             budget = self._measure_kv_budget(at_start)
         per_block = KVCache.bytes_per_block(
@@ -382,6 +388,8 @@ class LLMEngine:
             "prefix_cache_queries": s.stats.prefix_cache_queries,
             "prefix_cache_hits": s.stats.prefix_cache_hits,
             "scheduling_policy": self.config.scheduling_policy,
+            "gemm_path": self.gemm.path.value,
+            "gemm_path_source": self.gemm.source,
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
             **self.metrics.snapshots(),
         }

@@ -120,7 +120,7 @@ def load_model(
     if path.is_dir():
         arch, weights, tokenizer = _load_hf_dir(path, progress)
     else:
-        arch, weights, tokenizer = _load_gguf_cached(path, _cache_root(cache_dir), progress)
+        arch, weights, tokenizer = _load_gguf_cached(path, cache_root(cache_dir), progress)
     weights = {name: t.to(dtype) for name, t in weights.items()}
     return LoadedModel(model, arch, weights, tokenizer, tokenizer.eos_token_ids)
 
@@ -216,7 +216,9 @@ def _safetensors_files(path: Path) -> list[Path]:
 # --- GGUF files and the conversion cache ------------------------------------------------------------------
 
 
-def _cache_root(cache_dir: str | Path | None) -> Path:
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """Where the engine caches what it derives once: ``cache_dir``, else ``$PAGEWISE_CACHE_DIR``, else
+    ``~/.cache/pagewise``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("PAGEWISE_CACHE_DIR")

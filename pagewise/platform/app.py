@@ -34,8 +34,9 @@ from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
 from pagewise.platform.openapi import describe_errors, openapi_config
 from pagewise.platform.paths import data_dir
+from pagewise.platform.quotas.ledger import DatabaseLedger
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
-from pagewise.platform.quotas.quota_store import QuotaStore
+from pagewise.platform.quotas.quota_store import MonthLedger, QuotaStore
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.controllers import RequestController
 from pagewise.platform.requests.store import RequestStore
@@ -115,15 +116,19 @@ def engine_summary(engine: AsyncLLMEngine) -> str:
     return (
         f"pagewise: serving {engine.model_name} ({config.dtype} on {config.device}), max_model_len "
         f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "
-        f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling"
+        f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling, matmul path "
+        f"{engine.stats().get('gemm_path')}"
     )
 
 
-def build_quota_store(settings: Settings) -> QuotaStore:
-    """Shared by every replica in Redis when there is one; in this process otherwise."""
+def build_quota_store(settings: Settings, ledger: MonthLedger) -> QuotaStore:
+    """Shared by every replica in Redis when there is one; in this process otherwise. Monthly counters start
+    from `ledger` (the database)."""
     if settings.redis_url:
-        return RedisQuotaStore.from_url(settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s)
-    return InProcessQuotaStore(lease_s=settings.quota_lease_s)
+        return RedisQuotaStore.from_url(
+            settings.redis_url, settings.redis_key_prefix, lease_s=settings.quota_lease_s, ledger=ledger
+        )
+    return InProcessQuotaStore(lease_s=settings.quota_lease_s, ledger=ledger)
 
 
 def admin_key_file() -> Path:
@@ -181,7 +186,7 @@ def create_app(
         database = Database(create_db_engine(settings.database_url))
         with traced_database(database):
             sessionmaker = database.sessionmaker
-            store = traced_quotas(quotas or build_quota_store(settings))
+            store = traced_quotas(quotas or build_quota_store(settings, DatabaseLedger(database)))
             requests = RequestStore(database)
             metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
             transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)

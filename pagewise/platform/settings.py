@@ -44,6 +44,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     dtype: str | None = None
+    gemm_path: str | None = None
     device: str | None = None
     seed: int | None = None
     cache_dir: str | None = None

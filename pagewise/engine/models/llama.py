@@ -12,10 +12,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagewise import kernels
 from pagewise.engine.model_config import ModelArchConfig
+from pagewise.kernels.gemm import GemmPath, PackedWeight
 
 
 @dataclass(slots=True)
@@ -26,6 +28,23 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product runs on a chosen matmul path (``pagewise.kernels.gemm``): ``torch`` until
+    ``use_gemm_path``, which prepares the weight as it is then — so it is called once the weights are loaded and
+    on their device, and the weight is not changed afterwards."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._gemm: PackedWeight | None = None
+
+    def use_gemm_path(self, path: GemmPath) -> None:
+        bias = None if self.bias is None else self.bias.detach()
+        self._gemm = None if path is GemmPath.TORCH else PackedWeight(path, self.weight.detach(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) if self._gemm is None else self._gemm(x)
 
 
 class RMSNorm(nn.Module):
@@ -84,8 +103,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -113,8 +132,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -143,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
@@ -159,6 +178,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
         return self.norm(hidden)
+
+    def use_gemm_path(self, path: GemmPath) -> None:
+        """Run every projection, the LM head included, on ``path`` (see ``Linear.use_gemm_path``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_gemm_path(path)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

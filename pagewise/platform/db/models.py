@@ -93,6 +93,9 @@ class ApiKey(Base):
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     monthly_spend_budget_micros: Mapped[int | None] = mapped_column(BigInteger)
     allowed_models: Mapped[list[Any] | None]
+    # the first key of this key's rotations (None: this key is the first): its monthly budget counters, which
+    # every key of the lineage shares, are kept and rebuilt under that id (`budget_scope_id`)
+    budget_key_id: Mapped[str | None] = mapped_column(String(40), index=True)
 
 
 class RequestRecord(Base):

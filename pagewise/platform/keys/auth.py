@@ -79,14 +79,15 @@ def tenant_limits(row: Row) -> QuotaLimits:
 
 
 def key_quota(row: Row) -> KeyQuota | None:
-    """The key's own limits as a quota scope, or `None` when it has none (no counters are kept for it)."""
+    """The key's own limits as a quota scope, or `None` when it has none (no counters are kept for it). The
+    scope is the key's budget lineage (its first rotation's id), so a rotated key continues its budget."""
     limits = QuotaLimits(
         requests_per_minute=row.requests_per_minute,
         tokens_per_minute=row.tokens_per_minute,
         monthly_token_budget=row.monthly_token_budget,
         monthly_spend_budget_micros=row.monthly_spend_budget_micros,
     )
-    return None if limits == QuotaLimits() else KeyQuota(row.id, limits)
+    return None if limits == QuotaLimits() else KeyQuota(row.budget_key_id or row.id, limits)
 
 
 def unauthorized(message: str) -> APIError:

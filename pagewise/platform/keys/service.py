@@ -125,7 +125,8 @@ class KeyService:
         return key
 
     async def rotate(self, tenant_id: str, key_id: str, grace_period_s: int = 0) -> KeyCreated:
-        """Issue a new key with the old one's name, scopes and expiry; retire the old one.
+        """Issue a new key with the old one's name, scopes, limits and expiry; retire the old one. The new key
+        continues the old one's budget: both count under the first key of the lineage (`budget_key_id`).
 
         With `grace_period_s` 0 the old key is revoked at once; otherwise it keeps working until the earlier
         of its own expiry and now + grace. A revoked or expired key is a 409 (`key_revoked`, `key_expired`).
@@ -147,7 +148,7 @@ class KeyService:
             )
         new = generate_key()
         limits = {f: getattr(old, f) for f in KEY_LIMIT_FIELDS}
-        key = self._add(tenant_id, old.name, old.scopes, old.expires_at, new, limits)
+        key = self._add(tenant_id, old.name, old.scopes, old.expires_at, new, limits, old.budget_key_id or old.id)
         if grace_period_s == 0:
             old.revoked_at = now
         else:
@@ -181,8 +182,10 @@ class KeyService:
         expires_at: dt.datetime | None,
         new: NewKey,
         limits: dict[str, object] | None = None,
+        budget_key_id: str | None = None,
     ) -> ApiKey:
-        """A key row added to the session, not yet committed; only the prefix and the hash are stored."""
+        """A key row added to the session, not yet committed; only the prefix and the hash are stored.
+        `budget_key_id` is the first key of the rotations this one continues (its budget is theirs)."""
         key = ApiKey(
             id=new_id("key"),
             tenant_id=tenant_id,
@@ -191,6 +194,7 @@ class KeyService:
             secret_sha256=new.secret_sha256,
             scopes=sorted(set(scopes)),
             expires_at=expires_at,
+            budget_key_id=budget_key_id,
             **(limits or {}),
         )
         self.session.add(key)

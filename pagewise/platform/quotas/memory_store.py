@@ -3,6 +3,9 @@
 Invariants:
 - Every method runs without awaiting in between reads and writes, so on one event loop each call is atomic —
   the same guarantee the Redis store gets from Lua.
+- A scope's monthly counters are seeded from the ledger (when the store has one) before its first reservation
+  of the month: `seeded` names the month they were seeded for. The ledger is read before the counters are
+  touched (the only await), so a reservation racing the seed sees either no seed (and seeds, once) or the seed.
 - A tenant's concurrency is the sum of the slots of its live leases (`leases`: reservation id → lease);
   there is no separate counter that could drift from it. An expired lease is dropped, all its slots at
   once, before anything is read. A key's counters (same shape, keyed by its id) never hold leases.
@@ -18,11 +21,13 @@ from pagewise.platform.quotas.quota_store import (
     DEFAULT_LEASE_S,
     Decision,
     KeyQuota,
+    MonthLedger,
     QuotaLimits,
     QuotaUsage,
     QuotaWindows,
     Rejection,
     Reservation,
+    Scope,
     ScopeState,
     SpendRate,
     check_request_size,
@@ -44,6 +49,7 @@ class _Counters:
     tokens_this_minute: int = 0
     tokens_this_month: int = 0
     spend_this_month: int = 0
+    seeded: str = ""
     leases: dict[str, _Lease] = field(default_factory=dict)
 
     def roll(self, windows: QuotaWindows) -> None:
@@ -91,9 +97,15 @@ class _Counters:
 
 
 class InProcessQuotaStore:
-    def __init__(self, clock: Callable[[], float] = time.time, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        lease_s: float = DEFAULT_LEASE_S,
+        ledger: MonthLedger | None = None,
+    ) -> None:
         self._clock = clock
         self.lease_s = lease_s
+        self._ledger = ledger
         self._scopes: dict[str, _Counters] = {}
 
     def _counters(self, scope_id: str) -> tuple[_Counters, QuotaWindows, float]:
@@ -103,6 +115,21 @@ class InProcessQuotaStore:
         counters.roll(windows)
         counters.expire(now)
         return counters, windows, now
+
+    async def _seed(self, scope: Scope, scope_id: str) -> None:
+        """Start the scope's counters of the current month at what the ledger says it was billed in it."""
+        if self._ledger is None:
+            return
+        while True:
+            month = QuotaWindows.at(self._clock()).month
+            counters = self._scopes.get(scope_id)
+            if counters is not None and counters.seeded == month:
+                return
+            totals = await self._ledger.month_to_date(scope, scope_id, month)
+            counters, windows, _ = self._counters(scope_id)
+            if windows.month == month and counters.seeded != month:
+                counters.tokens_this_month, counters.spend_this_month = totals.tokens, totals.spend
+                counters.seeded = month
 
     async def reserve(
         self,
@@ -116,6 +143,9 @@ class InProcessQuotaStore:
         rate: SpendRate | None = None,
     ) -> Decision:
         check_request_size(tokens, slots)
+        await self._seed("tenant", tenant_id)
+        if key is not None:
+            await self._seed("key", key.key_id)
         spend = 0 if rate is None else rate.cost(tokens)
         c, windows, now = self._counters(tenant_id)
         k = None if key is None else self._counters(key.key_id)[0]

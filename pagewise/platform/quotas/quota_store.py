@@ -17,6 +17,12 @@ Semantics (both stores, same tests):
   sum, so a request holding k slots (e.g. k sequences) counts k times.
 - `reconcile` releases all the reservation's slots and replaces the reserved tokens by the real count,
   exactly once per reservation: a second call for the same reservation is a no-op that returns False.
+- Monthly counters start from the database (`MonthLedger`, `quotas/ledger.py`): before a store admits anything
+  for a scope whose counters of the current month it does not hold, it reads what the scope was billed this
+  month and starts there, so a restart, a flush or a lost Redis never hands out a fresh month. Concurrent
+  reservations seed at most once (set-if-absent, then the atomic reserve). A store built without a ledger
+  (a worker, which only reconciles) starts them at zero. What is not seen: the tokens of a request that was
+  in flight when Redis lost its counters, settled after the seed was read (its reconcile finds no lease).
 - A reservation is a lease: it holds its slots for `lease_s` seconds (renewable with `renew`, which extends
   all of them). A lease that runs out — its process crashed, or lost the reconcile — gives all its slots
   back at the next call for that tenant; its reserved tokens stay counted (the safe side), and a late
@@ -92,6 +98,19 @@ class Reservation(msgspec.Struct, frozen=True):
         if actual_cost is not None:
             return actual_cost - self.spend
         return 0 if self.rate is None else self.rate.cost(actual_tokens) - self.spend
+
+
+class MonthToDate(msgspec.Struct, frozen=True, kw_only=True):
+    """What a scope was billed in one month, from the database: tokens (prompt + completion) and spend."""
+
+    tokens: int
+    spend: int
+
+
+class MonthLedger(Protocol):
+    async def month_to_date(self, scope: Scope, scope_id: str, month: str) -> MonthToDate:
+        """What the tenant (or the key lineage) `scope_id` was billed in `month` (`YYYYMM`, UTC)."""
+        ...
 
 
 class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True):

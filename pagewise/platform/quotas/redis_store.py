@@ -10,6 +10,12 @@ process come back once its lease runs out. Exactly-once reconciliation rests on 
 1 only the first time. Both sets expire one lease after their newest write, so an idle tenant leaves nothing
 behind. A key with limits of its own has the same four counters under its id (never leases); they are checked
 and taken in the tenant's script, and adjusted by its reconcile only when that reconcile removed the lease.
+
+Monthly counters are seeded from the database (`quota_store`'s invariants): with a ledger, the reserve script
+refuses to count anything for a scope whose `month:<YYYYMM>` key is missing and answers `unseeded`; the store
+then reads the ledger and writes `month` and `spend` only if `month` is still missing (another replica may
+have seeded meanwhile), and runs the reserve again. A reconcile never creates a missing month key, so a seed
+is never added to a counter that a reconcile started from nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from pagewise.platform.quotas.quota_store import (
     DEFAULT_LEASE_S,
     Decision,
     KeyQuota,
+    MonthLedger,
     QuotaLimits,
     QuotaUsage,
     QuotaWindows,
     Rejection,
     Reservation,
+    Scope,
     ScopeState,
     SpendRate,
     check_request_size,
@@ -83,11 +91,15 @@ end
 
 # KEYS: leases, slots, then req, tok, month, spend of the tenant and (with a key) of the key
 # ARGV: max_conc, then rpm, tpm, budget, spend budget of the tenant (2-5) and of the key (6-9) (-1 = unlimited),
-#       tokens, spend, id, minute ttl, month ttl, now, lease seconds, slots, has key
+#       tokens, spend, id, minute ttl, month ttl, now, lease seconds, slots, has key, seeded months required
 _RESERVE = _LEASE_FUNCTIONS + _COUNTER_FUNCTIONS + """
 local tokens, cost = tonumber(ARGV[10]), tonumber(ARGV[11])
 local now, lease, k = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
 local has_key = ARGV[18] == '1'
+if ARGV[19] == '1' then
+  if redis.call('EXISTS', KEYS[5]) == 0 then return {'unseeded', 'tenant'} end
+  if has_key and redis.call('EXISTS', KEYS[9]) == 0 then return {'unseeded', 'key'} end
+end
 drop_expired(KEYS[1], KEYS[2], now)
 local conc = redis.call('ZCARD', KEYS[2])
 local outstanding = redis.call('ZCARD', KEYS[1])
@@ -108,6 +120,15 @@ if rejected == '' then
 end
 return {rejected, scope, conc, outstanding, t[1], t[2], t[3], t[4], kc[1], kc[2], kc[3], kc[4]}
 """
+
+# KEYS: month, spend of one scope · ARGV: tokens, spend, month ttl
+_SEED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+_MAX_SEED_ROUNDS = 4  # tenant, key, and a month that rolled over in between
 
 # KEYS: leases, slots · ARGV: id, now, lease seconds, slots
 _RENEW = _LEASE_FUNCTIONS + """
@@ -137,6 +158,10 @@ for first = 3, last, 3 do
 end
 return 1
 """
+
+
+def _month_ttl(w: QuotaWindows) -> int:
+    return math.ceil(w.month_resets_in) + _MONTH_EXTRA_TTL_S
 
 
 def _limit(value: int | None) -> int:
@@ -177,12 +202,15 @@ class RedisQuotaStore:
         key_prefix: str,
         clock: Callable[[], float] = time.time,
         lease_s: float = DEFAULT_LEASE_S,
+        ledger: MonthLedger | None = None,
     ) -> None:
         self._redis = client
         self._prefix = key_prefix
         self._clock = clock
         self.lease_s = lease_s
+        self._ledger = ledger
         self._reserve = client.register_script(_RESERVE)
+        self._seed = client.register_script(_SEED)
         self._renew = client.register_script(_RENEW)
         self._reconcile = client.register_script(_RECONCILE)
 
@@ -193,8 +221,9 @@ class RedisQuotaStore:
         key_prefix: str,
         clock: Callable[[], float] = time.time,
         lease_s: float = DEFAULT_LEASE_S,
+        ledger: MonthLedger | None = None,
     ) -> RedisQuotaStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True), key_prefix, clock, lease_s)
+        return cls(redis.Redis.from_url(url, decode_responses=True), key_prefix, clock, lease_s, ledger)
 
     def _key(self, tenant_id: str, name: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{name}"
@@ -216,27 +245,35 @@ class RedisQuotaStore:
     ) -> Decision:
         check_request_size(tokens, slots)
         spend = 0 if rate is None else rate.cost(tokens)
-        now = self._clock()
-        w = QuotaWindows.at(now)
-        keys = [self._key(tenant_id, "leases"), self._key(tenant_id, "slots"), *self._counter_keys(tenant_id, w)]
-        key_limits = QuotaLimits() if key is None else key.limits
-        if key is not None:
-            keys += self._counter_keys(key.key_id, w)
-        args = [
-            _limit(limits.max_concurrent_requests),
-            *_window_limits(limits),
-            *_window_limits(key_limits),
-            tokens,
-            spend,
-            reservation_id,
-            _MINUTE_TTL_S,
-            math.ceil(w.month_resets_in) + _MONTH_EXTRA_TTL_S,
-            repr(now),
-            self.lease_s,
-            slots,
-            int(key is not None),
-        ]
-        rejected, scope, conc, outstanding, *counts = await self._reserve(keys=keys, args=args)
+        for _ in range(_MAX_SEED_ROUNDS):
+            now = self._clock()
+            w = QuotaWindows.at(now)
+            keys = [self._key(tenant_id, "leases"), self._key(tenant_id, "slots"), *self._counter_keys(tenant_id, w)]
+            key_limits = QuotaLimits() if key is None else key.limits
+            if key is not None:
+                keys += self._counter_keys(key.key_id, w)
+            args = [
+                _limit(limits.max_concurrent_requests),
+                *_window_limits(limits),
+                *_window_limits(key_limits),
+                tokens,
+                spend,
+                reservation_id,
+                _MINUTE_TTL_S,
+                _month_ttl(w),
+                repr(now),
+                self.lease_s,
+                slots,
+                int(key is not None),
+                int(self._ledger is not None),
+            ]
+            rejected, scope, *rest = await self._reserve(keys=keys, args=args)
+            if rejected != "unseeded":
+                break
+            await self._seed_month(scope, tenant_id if scope == "tenant" else key.key_id, w)
+        else:
+            raise RuntimeError(f"quota counters of {tenant_id!r} could not be seeded for {w.month}")
+        conc, outstanding, *counts = rest
         rejected_by: Rejection | None = rejected or None
         reservation = None
         if rejected_by is None:
@@ -245,6 +282,13 @@ class RedisQuotaStore:
         usage = _usage(int(conc), int(outstanding), counts[:4], w)
         key_state = None if key is None else ScopeState(key.limits, _usage(0, 0, counts[4:], w))
         return Decision(reservation, rejected_by, usage, limits, scope, key_state)
+
+    async def _seed_month(self, scope: Scope, scope_id: str, w: QuotaWindows) -> None:
+        """Write the scope's month counters from the ledger, unless another caller has written them since."""
+        assert self._ledger is not None
+        totals = await self._ledger.month_to_date(scope, scope_id, w.month)
+        keys = [self._key(scope_id, f"month:{w.month}"), self._key(scope_id, f"spend:{w.month}")]
+        await self._seed(keys=keys, args=[totals.tokens, totals.spend, _month_ttl(w)])
 
     async def renew(self, reservation: Reservation) -> bool:
         keys = [self._key(reservation.tenant_id, "leases"), self._key(reservation.tenant_id, "slots")]

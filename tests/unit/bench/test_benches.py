@@ -90,6 +90,21 @@ def test_throughput(tiny_path, capsys, sampled):
     )
 
 
+def test_gemm(tiny_path, capsys):
+    """One JSON line: every candidate path's GFLOP/s on the model's projections, and the engine's choice."""
+    from pagewise.bench import gemm
+
+    parser = argparse.ArgumentParser()
+    gemm.register(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["gemm", "--json", "--model", tiny_path])
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "torch" in result["candidates"] and min(result["candidates"].values()) > 0
+    assert result["chosen"] in result["candidates"] and result["fastest"] in result["candidates"]
+    assert result["chosen_source"] in ("measured", "cached")
+    assert set(result["by_rows"]) == {"4", "64", "512"}
+
+
 def test_hop_figures_from_two_histogram_reads():
     from pagewise.bench.distributed import _hop_figures
 

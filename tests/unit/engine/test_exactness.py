@@ -11,6 +11,7 @@ import torch
 
 from pagewise import LLM, SamplingParams
 from pagewise.engine.model_runner import KVCache
+from pagewise.kernels.gemm import GemmPath, supported_paths
 
 BLOCK = 8
 MAX_TOKENS = 12
@@ -124,3 +125,14 @@ def test_greedy_matches_hf_under_fair_scheduling(oracle, variant: str) -> None:
     assert [outputs[f"r{i}"] for i in range(len(expected))] == expected
     assert llm.stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("gemm_path", supported_paths(torch.device("cpu"), torch.float32))
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+def test_greedy_matches_hf_on_every_gemm_path(oracle, variant: str, gemm_path: GemmPath) -> None:
+    """Every matmul path this machine offers, forced, gives HF's tokens (the bias variant covers a packed
+    projection with a bias)."""
+    path, _, expected = oracle(variant)
+    llm = LLM(str(path), block_size=BLOCK, gemm_path=gemm_path.value, progress=False)
+    assert llm.stats()["gemm_path"] == gemm_path.value
+    assert greedy(llm, prompts()) == expected

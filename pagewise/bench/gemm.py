@@ -1,0 +1,65 @@
+"""``pagewise bench gemm [--json]``: the matmul paths this machine has, timed on a model's own projections, and
+the one the engine runs with.
+
+Each path (``pagewise.kernels.gemm``) computes one forward's projections (fused qkv, o, gate/up, down per layer,
+plus the LM head) at the row counts the engine's start-up timing uses (a few decodes, a decode batch, a prefill
+chunk). ``candidates`` is each path's GFLOP/s over all of them; ``by_rows`` splits it by row count; ``fastest``
+is the pick this run's timing makes; ``chosen`` is the engine's own (``gemm_selection``: from its per-CPU cache
+when it has timed this machine kind before, so the two can differ when paths are within noise of each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagewise.engine.config import EngineConfig
+    from pagewise.engine.gemm_selection import TIMED_ROWS, cpu_signature, select_gemm_path, weight_shapes
+    from pagewise.engine.loader import cache_root, load_model
+    from pagewise.kernels.gemm import supported_paths, time_paths
+
+    config = EngineConfig(model=args.model, dtype=args.dtype)
+    arch = load_model(config.model, dtype=config.torch_dtype, progress=False).arch
+    device = torch.device("cpu")
+    paths = supported_paths(device, config.torch_dtype)
+    print(f"timing {', '.join(paths)} on {args.model}'s projections ({args.dtype})", flush=True)
+    timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, config.torch_dtype)
+    chosen = select_gemm_path("auto", arch, device, config.torch_dtype, cache_root(None))
+    name, _, flags = cpu_signature().partition(" | ")
+    result: dict[str, Any] = {
+        "cpu": name,
+        "cpu_flags": [f for f in _FLAGS_OF_INTEREST if f in flags.split()],
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "model": args.model,
+        "candidates": {p.value: round(timing.gflops(p), 2) for p in paths},
+        "by_rows": {str(m): {p.value: round(timing.gflops_at(p, m), 2) for p in paths} for m in TIMED_ROWS},
+        "fastest": timing.fastest().value,
+        "chosen": chosen.path.value,
+        "chosen_source": chosen.source,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"cpu: {name} ({', '.join(result['cpu_flags'])}), {result['threads']} threads")
+    print(f"{'rows':>6} " + " ".join(f"{p.value:>14}" for p in paths))
+    for m in TIMED_ROWS:
+        print(f"{m:>6} " + " ".join(f"{timing.gflops_at(p, m):>14.1f}" for p in paths))
+    print(f"{'all':>6} " + " ".join(f"{timing.gflops(p):>14.1f}" for p in paths))
+    print(f"fastest now: {result['fastest']}; the engine runs: {result['chosen']} ({result['chosen_source']})")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("gemm", help="the matmul paths on a model's shapes, GFLOP/s, and the chosen one")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)

@@ -1,0 +1,138 @@
+"""Which matmul path (``pagewise.kernels.gemm``) an engine's projections run on, chosen at start-up.
+
+``EngineConfig.gemm_path`` is ``auto`` (the default) or a path's name. ``auto`` on CUDA is ``torch``. On CPU it
+times every path this machine supports on the model's own weight shapes, at a decode-sized, a mid-sized and a
+prefill-chunk-sized step, and takes the fastest one that is nowhere slower than ``torch``
+(``GemmTiming.fastest``). The timing is stored under ``<cache root>/gemm/`` keyed by everything that decides
+it — the CPU's model name and flags, torch's version, the number of threads, the dtype and the shapes — so it
+runs once per machine kind and model (about a second for SmolLM2), and a machine of another kind measures anew.
+A named path is used as given, after checking that this machine runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagewise.engine.errors import InvalidConfigError
+from pagewise.engine.model_config import ModelArchConfig
+from pagewise.kernels.gemm import GemmPath, WeightShape, supported_paths, time_paths
+
+AUTO = "auto"
+CHOICES = (AUTO, *(path.value for path in GemmPath))
+TIMED_ROWS = (4, 64, 512)  # tokens in a step: a few decodes, a full decode batch, a prefill chunk
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmSelection:
+    """The path chosen and why: ``source`` is ``forced`` (named in the config), ``measured`` (timed now),
+    ``cached`` (timed earlier on this kind of machine) or ``device`` (CUDA: torch). ``gflops`` holds each
+    candidate's rate when it was timed."""
+
+    path: GemmPath
+    source: str
+    gflops: dict[str, float]
+
+    def describe(self) -> dict[str, object]:
+        return {"path": self.path.value, "source": self.source, "candidates_gflops": dict(self.gflops)}
+
+
+def weight_shapes(arch: ModelArchConfig) -> list[WeightShape]:
+    """The projections of one forward: fused qkv, o, fused gate/up and down per layer, plus the LM head."""
+    hidden, layers = arch.hidden_size, arch.num_layers
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return [
+        WeightShape(q_size + 2 * kv_size, hidden, layers),
+        WeightShape(hidden, q_size, layers),
+        WeightShape(2 * arch.intermediate_size, hidden, layers),
+        WeightShape(hidden, arch.intermediate_size, layers),
+        WeightShape(arch.vocab_size, hidden, 1),
+    ]
+
+
+def select_gemm_path(
+    requested: str, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, cache_root: Path
+) -> GemmSelection:
+    """The path for this engine (see the module docstring). Raises ``InvalidConfigError`` for a named path
+    this machine cannot run for ``dtype``."""
+    supported = supported_paths(device, dtype)
+    if requested != AUTO:
+        path = GemmPath(requested)
+        if path not in supported:
+            names = ", ".join(p.value for p in supported)
+            raise InvalidConfigError(
+                f"gemm_path {requested!r} does not run on {device.type} for {dtype} here; supported: {names}"
+            )
+        return GemmSelection(path, "forced", {})
+    if device.type != "cpu":
+        return GemmSelection(GemmPath.TORCH, "device", {})
+    shapes = weight_shapes(arch)
+    entry = cache_root / "gemm" / f"{_cache_key(supported, shapes, dtype)}.json"
+    cached = _read(entry)
+    if cached is not None:
+        return GemmSelection(GemmPath(cached["chosen"]), "cached", cached["candidates_gflops"])
+    timing = time_paths(supported, shapes, TIMED_ROWS, dtype)
+    selection = GemmSelection(timing.fastest(), "measured", {p.value: round(timing.gflops(p), 2) for p in supported})
+    _write(entry, {"chosen": selection.path.value, "candidates_gflops": selection.gflops})
+    return selection
+
+
+def cpu_signature() -> str:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in wanted and key not in found:
+            found[key] = value.strip()
+    return " | ".join(found.get(key, "") for key in wanted)
+
+
+def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dtype) -> str:
+    parts = [
+        cpu_signature(),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        str(dtype),
+        ",".join(p.value for p in paths),
+        ";".join(f"{s.out_features}x{s.in_features}x{s.count}" for s in shapes),
+        ",".join(map(str, TIMED_ROWS)),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def _read(entry: Path) -> dict | None:
+    try:
+        data = json.loads(entry.read_text())
+        GemmPath(data["chosen"])
+        return data if isinstance(data.get("candidates_gflops"), dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(entry: Path, data: dict) -> None:
+    """Write under a temporary name, then rename: a reader sees the whole entry or none. A cache that cannot be
+    written only costs the next start a new measurement."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(entry)
+    except OSError as error:
+        _logger.warning("could not cache the matmul timing in %s: %s", entry.parent, error)
+

@@ -1,0 +1,159 @@
+"""Dense projections ``y = x Wᵀ + b`` through one of the matmul paths this torch build has, and a timer that
+says which one is fastest on this machine for a given set of weight shapes.
+
+The paths compute the same product; they differ in the library and in the weight's memory layout:
+
+- ``torch``: ``torch.nn.functional.linear`` — MKL's sgemm on x86 CPU builds, cuBLAS on CUDA. The reference,
+  and the only path for CUDA tensors.
+- ``onednn-packed``: oneDNN's inner product with the weight reordered once into oneDNN's blocked layout (the
+  path vLLM's CPU build takes). On AMD EPYC this is several times faster than MKL for a handful of rows.
+
+Both accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
+inputs). MKL's packed sgemm is not offered: torch packs it for one row count and falls back to the plain call for
+any other, and a step's row count changes every step. A path this build or this CPU cannot run for a dtype is
+not offered (``supported_paths`` tries each on a tiny product).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+
+NOISE = 0.03
+
+
+class GemmPath(StrEnum):
+    TORCH = "torch"
+    ONEDNN_PACKED = "onednn-packed"
+
+
+class PackedWeight:
+    """A weight (``[out, in]``) and bias prepared once for ``path``; calling it computes ``x Wᵀ + b`` for a 2-D
+    ``x`` of the weight's dtype. The dense ``weight`` is kept as the module's parameter (what the model's
+    state and its shapes are read from), so a packed path holds the projection weights twice."""
+
+    __slots__ = ("path", "weight", "bias", "_packed")
+
+    def __init__(self, path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.path, self.weight, self.bias = path, weight, bias
+        packed = path is GemmPath.ONEDNN_PACKED
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight) if packed else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path is GemmPath.ONEDNN_PACKED:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:
+    """The paths that run here for ``dtype``: ``torch`` always; the packed ones on CPU where this torch build
+    has them and a tiny product through them equals the reference."""
+    paths = [GemmPath.TORCH]
+    if device.type != "cpu":
+        return paths
+    candidates = [GemmPath.ONEDNN_PACKED] if torch.backends.mkldnn.is_available() else []
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=generator).to(dtype)
+    w = torch.randn(16, 32, generator=generator).to(dtype)
+    expected = F.linear(x.float(), w.float())
+    for path in candidates:
+        try:
+            got = PackedWeight(path, w, None)(x).float()
+        except RuntimeError:  # not compiled for this CPU or dtype
+            continue
+        if torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
+            paths.append(path)
+    return paths
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShape:
+    """One kind of projection in a model: ``count`` weights of ``[out_features, in_features]`` per forward."""
+
+    out_features: int
+    in_features: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class GemmTiming:
+    """Seconds one forward's projections take, per path and per number of rows (tokens in a step)."""
+
+    seconds: dict[GemmPath, dict[int, float]]
+    flops: dict[int, int]  # per number of rows: the flops of one forward's projections
+
+    def gflops(self, path: GemmPath) -> float:
+        """The path's rate over every row count measured (total flops / total seconds)."""
+        return sum(self.flops.values()) / sum(self.seconds[path].values()) / 1e9
+
+    def gflops_at(self, path: GemmPath, rows: int) -> float:
+        return self.flops[rows] / self.seconds[path][rows] / 1e9
+
+    def fastest(self) -> GemmPath:
+        """The path with the lowest geometric mean of its time relative to ``torch`` over the row counts,
+        among those no slower than ``torch`` at any row count (beyond ``NOISE``, the spread of two timings of
+        one path): never a path slower than torch's default."""
+        reference = self.seconds[GemmPath.TORCH]
+
+        def relative(path: GemmPath) -> float:
+            ratios = [self.seconds[path][rows] / reference[rows] for rows in reference]
+            product = 1.0
+            for ratio in ratios:
+                product *= ratio
+            return product ** (1 / len(ratios))
+
+        eligible = [
+            path
+            for path in self.seconds
+            if all(self.seconds[path][rows] <= reference[rows] * (1 + NOISE) for rows in reference)
+        ]
+        return min(eligible, key=relative)
+
+
+def time_paths(
+    paths: Sequence[GemmPath],
+    shapes: Sequence[WeightShape],
+    rows: Sequence[int],
+    dtype: torch.dtype,
+    *,
+    seconds_per_case: float = 0.05,
+    rounds: int = 3,
+) -> GemmTiming:
+    """Time every path on every shape at every row count (CPU, random data). Each case runs for about
+    ``seconds_per_case / rounds`` per round after a warm-up call; the rounds interleave the paths, and the best
+    round of each case is kept, so a busy moment elsewhere on the machine hits every path alike."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s.out_features, s.in_features, generator=generator).to(dtype) * 0.05 for s in shapes]
+    inputs = {
+        m: {s.in_features: torch.randn(m, s.in_features, generator=generator).to(dtype) for s in shapes}
+        for m in rows
+    }
+    prepared = {path: [PackedWeight(path, w, None) for w in weights] for path in paths}
+    best = {(path, m, i): float("inf") for path in paths for m in rows for i in range(len(shapes))}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for m in rows:
+                for path in paths:
+                    for i, (shape, op) in enumerate(zip(shapes, prepared[path], strict=True)):
+                        x = inputs[m][shape.in_features]
+                        best[path, m, i] = min(best[path, m, i], _time_call(op, x, seconds_per_case / rounds))
+    seconds = {
+        path: {m: sum(s.count * best[path, m, i] for i, s in enumerate(shapes)) for m in rows} for path in paths
+    }
+    flops = {m: sum(2 * m * s.out_features * s.in_features * s.count for s in shapes) for m in rows}
+    return GemmTiming(seconds, flops)
+
+
+def _time_call(op: PackedWeight, x: torch.Tensor, budget: float) -> float:
+    """Seconds per call of ``op(x)``, over at least one call and about ``budget`` seconds, after a warm-up."""
+    op(x)
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget or calls == 0:
+        op(x)
+        calls += 1
+    return elapsed / calls

@@ -1,0 +1,89 @@
+"""The engine's matmul path: forced names are checked, ``auto`` times this machine once per CPU kind and
+model shape and reuses the timing, and a broken cache entry only costs a new timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagewise import EngineConfig
+from pagewise.engine.errors import InvalidConfigError
+from pagewise.engine.gemm_selection import select_gemm_path, weight_shapes
+from pagewise.engine.model_config import ModelArchConfig
+from pagewise.kernels.gemm import GemmPath, WeightShape, supported_paths
+
+CPU = torch.device("cpu")
+
+
+def arch(**overrides) -> ModelArchConfig:
+    fields = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+        tie_word_embeddings=True, attention_bias=False,
+    )
+    return ModelArchConfig(**(fields | overrides))
+
+
+def test_weight_shapes_are_one_forwards_projections() -> None:
+    assert weight_shapes(arch()) == [
+        WeightShape(64 + 2 * 32, 64, 2), WeightShape(64, 64, 2), WeightShape(192, 64, 2),
+        WeightShape(64, 96, 2), WeightShape(256, 64, 1),
+    ]
+
+
+def test_an_unknown_path_is_a_config_error() -> None:
+    with pytest.raises(InvalidConfigError, match="gemm_path must be one of"):
+        EngineConfig(gemm_path="mkl-fast")
+
+
+@pytest.mark.parametrize("path", supported_paths(CPU, torch.float32))
+def test_a_named_path_is_used_as_given(tmp_path, path: GemmPath) -> None:
+    selection = select_gemm_path(path.value, arch(), CPU, torch.float32, tmp_path)
+    assert (selection.path, selection.source) == (path, "forced")
+    assert not (tmp_path / "gemm").exists()
+
+
+def test_a_named_path_this_device_cannot_run_is_refused(tmp_path) -> None:
+    with pytest.raises(InvalidConfigError, match="does not run on cuda"):
+        select_gemm_path("onednn-packed", arch(), torch.device("cuda"), torch.float32, tmp_path)
+
+
+def test_auto_on_cuda_is_torch_without_timing(tmp_path) -> None:
+    selection = select_gemm_path("auto", arch(), torch.device("cuda"), torch.float32, tmp_path)
+    assert (selection.path, selection.source) == (GemmPath.TORCH, "device")
+
+
+def test_auto_times_once_then_reuses_the_timing(tmp_path) -> None:
+    first = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    assert first.source == "measured"
+    assert set(first.gflops) == {p.value for p in supported_paths(CPU, torch.float32)}
+    entries = list((tmp_path / "gemm").iterdir())
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["chosen"] == first.path.value
+    again = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    assert (again.path, again.source, again.gflops) == (first.path, "cached", first.gflops)
+
+
+def test_other_shapes_or_dtype_are_timed_anew(tmp_path) -> None:
+    select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    assert select_gemm_path("auto", arch(intermediate_size=128), CPU, torch.float32, tmp_path).source == "measured"
+    assert len(list((tmp_path / "gemm").iterdir())) == 2
+
+
+def test_a_cached_choice_is_what_the_entry_says(tmp_path) -> None:
+    """The engine runs the cached path (here written by hand as torch) without timing again."""
+    select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    (entry,) = (tmp_path / "gemm").iterdir()
+    entry.write_text(json.dumps({"chosen": "torch", "candidates_gflops": {"torch": 1.0}}))
+    selection = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    assert (selection.path, selection.source, selection.gflops) == (GemmPath.TORCH, "cached", {"torch": 1.0})
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"chosen": "gpu-magic", "candidates_gflops": {}}', "[]"])
+def test_a_broken_cache_entry_is_timed_again(tmp_path, content: str) -> None:
+    select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
+    (entry,) = (tmp_path / "gemm").iterdir()
+    entry.write_text(content)
+    assert select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path).source == "measured"
+    assert json.loads(entry.read_text())["chosen"] in {p.value for p in GemmPath}

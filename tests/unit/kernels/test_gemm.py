@@ -1,0 +1,69 @@
+"""The matmul paths equal the torch reference within fp32 rounding on random inputs, and the timing's choice
+never takes a path that was slower than torch's default anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagewise.kernels.gemm import GemmPath, GemmTiming, PackedWeight, WeightShape, supported_paths, time_paths
+
+CPU_PATHS = supported_paths(torch.device("cpu"), torch.float32)
+
+
+def test_torch_is_always_offered_and_is_the_only_path_off_cpu() -> None:
+    assert CPU_PATHS[0] is GemmPath.TORCH
+    assert supported_paths(torch.device("cuda"), torch.float32) == [GemmPath.TORCH]
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("rows", [1, 3, 16, 65, 513])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_path_equals_reference(path: GemmPath, rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(rows, 80, generator=generator)
+    got = PackedWeight(path, weight, bias)(x)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", supported_paths(torch.device("cpu"), torch.bfloat16))
+def test_bf16_path_equals_reference_within_bf16_rounding(path: GemmPath) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=generator).bfloat16()
+    x = torch.randn(7, 128, generator=generator).bfloat16()
+    got = PackedWeight(path, weight, None)(x)
+    expected = F.linear(x.double(), weight.double())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=5e-2)
+
+
+def timing(torch_s: dict[int, float], other_s: dict[int, float]) -> GemmTiming:
+    return GemmTiming({GemmPath.TORCH: torch_s, GemmPath.ONEDNN_PACKED: other_s}, {4: 100, 512: 10_000})
+
+
+def test_fastest_takes_a_path_faster_everywhere() -> None:
+    assert timing({4: 1.0, 512: 10.0}, {4: 0.3, 512: 9.0}).fastest() is GemmPath.ONEDNN_PACKED
+
+
+def test_fastest_never_takes_a_path_slower_than_torch_at_any_row_count() -> None:
+    # far faster on decode-sized steps, but 20% slower on prefill chunks: torch stays
+    assert timing({4: 1.0, 512: 10.0}, {4: 0.1, 512: 12.0}).fastest() is GemmPath.TORCH
+
+
+def test_fastest_keeps_torch_when_no_path_is_faster() -> None:
+    assert timing({4: 1.0, 512: 10.0}, {4: 1.2, 512: 11.0}).fastest() is GemmPath.TORCH
+    assert GemmTiming({GemmPath.TORCH: {4: 1.0}}, {4: 100}).fastest() is GemmPath.TORCH
+
+
+def test_time_paths_reports_every_path_and_row_count() -> None:
+    shapes = [WeightShape(64, 32, 2), WeightShape(32, 64, 1)]
+    result = time_paths(CPU_PATHS, shapes, (1, 8), torch.float32, seconds_per_case=0.003)
+    assert set(result.seconds) == set(CPU_PATHS)
+    assert all(set(by_rows) == {1, 8} and min(by_rows.values()) > 0 for by_rows in result.seconds.values())
+    assert result.flops == {1: 2 * (64 * 32 * 2 + 32 * 64), 8: 16 * (64 * 32 * 2 + 32 * 64)}
+    assert result.fastest() in CPU_PATHS and result.gflops(GemmPath.TORCH) > 0
