@@ -6,7 +6,8 @@ real batch's would be spread over the cache) and the step runs through the engin
 input tensors built from the requests, the forward pass over the paged cache, logits, sampling. Each step is
 timed whole and split by wrapping the parts:
 
-- ``matmul_ms``: every ``nn.Linear`` (QKV, output, gate/up, down projections, and the LM head);
+- ``matmul_ms``: every ``nn.Linear`` (QKV, output, gate/up, down projections, and the LM head), on the matmul
+  path ``--gemm-path`` names (default: the engine's own choice);
 - ``attention_ms``: ``kernels.paged_attention`` and ``kernels.reshape_and_cache`` in all layers;
 - ``sampling_ms``: the sampler (greedy rows, or ``--sampled``: temperature 0.8, top-p 0.95, top-k 50);
 - ``other_ms``: the rest — RoPE, RMSNorm, residual adds, embedding, and the Python that builds the inputs.
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=max(longest + 16, 256),
             max_num_seqs=num_seqs,
             kv_cache_memory_bytes=_NOT_THE_LIMIT_BYTES,
+            gemm_path=args.gemm_path,
         ),
         progress=False,
     )
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     backends = (["cpu"] if cpu_ops.available() else []) + ["torch"]
     result: dict[str, Any] = {
         "num_seqs": num_seqs,
+        "gemm_path": engine.gemm.path.value,
         "sampled": args.sampled,
         "torch_threads": torch.get_num_threads(),
         "backends": backends,
@@ -200,6 +203,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--steps", type=int, default=5, help="measured steps per backend and context (default 5)")
     parser.add_argument("--sampled", action="store_true", help="sample (T 0.8, top-p 0.95, top-k 50), not greedy")
+    parser.add_argument("--gemm-path", default="auto", help="the engine's matmul path (default: auto)")
     parser.set_defaults(func=run)
 
 

@@ -27,6 +27,7 @@ from pagewise.kernels.gemm import GemmPath, WeightShape, supported_paths, time_p
 AUTO = "auto"
 CHOICES = (AUTO, *(path.value for path in GemmPath))
 TIMED_ROWS = (4, 64, 512)  # tokens in a step: a few decodes, a full decode batch, a prefill chunk
+LM_HEAD_ROWS = 64  # the LM head runs on one row per sequence: a 512-token prefill chunk samples a few
 
 _logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class GemmSelection:
 
 
 def weight_shapes(arch: ModelArchConfig) -> list[WeightShape]:
-    """The projections of one forward: fused qkv, o, fused gate/up and down per layer, plus the LM head."""
+    """The projections of one forward: fused qkv, o, fused gate/up and down per layer, plus the LM head (on at
+    most ``LM_HEAD_ROWS`` rows)."""
     hidden, layers = arch.hidden_size, arch.num_layers
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     return [
@@ -54,7 +56,7 @@ def weight_shapes(arch: ModelArchConfig) -> list[WeightShape]:
         WeightShape(hidden, q_size, layers),
         WeightShape(2 * arch.intermediate_size, hidden, layers),
         WeightShape(hidden, arch.intermediate_size, layers),
-        WeightShape(arch.vocab_size, hidden, 1),
+        WeightShape(arch.vocab_size, hidden, 1, max_rows=LM_HEAD_ROWS),
     ]
 
 
@@ -110,7 +112,7 @@ def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dt
         str(torch.get_num_threads()),
         str(dtype),
         ",".join(p.value for p in paths),
-        ";".join(f"{s.out_features}x{s.in_features}x{s.count}" for s in shapes),
+        ";".join(f"{s.out_features}x{s.in_features}x{s.count}x{s.max_rows}" for s in shapes),
         ",".join(map(str, TIMED_ROWS)),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]

@@ -73,11 +73,16 @@ def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:
 
 @dataclass(frozen=True, slots=True)
 class WeightShape:
-    """One kind of projection in a model: ``count`` weights of ``[out_features, in_features]`` per forward."""
+    """One kind of projection in a model: ``count`` weights of ``[out_features, in_features]`` per forward, each
+    applied to a step's rows up to ``max_rows`` (the LM head sees only the rows sampled: one per sequence)."""
 
     out_features: int
     in_features: int
     count: int
+    max_rows: int | None = None
+
+    def rows(self, step_rows: int) -> int:
+        return step_rows if self.max_rows is None else min(step_rows, self.max_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ def time_paths(
     rows: Sequence[int],
     dtype: torch.dtype,
     *,
-    seconds_per_case: float = 0.05,
+    seconds_per_case: float = 0.1,
     rounds: int = 3,
 ) -> GemmTiming:
     """Time every path on every shape at every row count (CPU, random data). Each case runs for about
@@ -130,7 +135,8 @@ def time_paths(
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(s.out_features, s.in_features, generator=generator).to(dtype) * 0.05 for s in shapes]
     inputs = {
-        m: {s.in_features: torch.randn(m, s.in_features, generator=generator).to(dtype) for s in shapes}
+        m: {(s.rows(m), s.in_features): torch.randn(s.rows(m), s.in_features, generator=generator).to(dtype)
+            for s in shapes}
         for m in rows
     }
     prepared = {path: [PackedWeight(path, w, None) for w in weights] for path in paths}
@@ -140,12 +146,12 @@ def time_paths(
             for m in rows:
                 for path in paths:
                     for i, (shape, op) in enumerate(zip(shapes, prepared[path], strict=True)):
-                        x = inputs[m][shape.in_features]
+                        x = inputs[m][shape.rows(m), shape.in_features]
                         best[path, m, i] = min(best[path, m, i], _time_call(op, x, seconds_per_case / rounds))
     seconds = {
         path: {m: sum(s.count * best[path, m, i] for i, s in enumerate(shapes)) for m in rows} for path in paths
     }
-    flops = {m: sum(2 * m * s.out_features * s.in_features * s.count for s in shapes) for m in rows}
+    flops = {m: sum(2 * s.rows(m) * s.out_features * s.in_features * s.count for s in shapes) for m in rows}
     return GemmTiming(seconds, flops)
 
 

@@ -61,9 +61,10 @@ def test_fastest_keeps_torch_when_no_path_is_faster() -> None:
 
 
 def test_time_paths_reports_every_path_and_row_count() -> None:
-    shapes = [WeightShape(64, 32, 2), WeightShape(32, 64, 1)]
+    shapes = [WeightShape(64, 32, 2), WeightShape(32, 64, 1, max_rows=4)]
     result = time_paths(CPU_PATHS, shapes, (1, 8), torch.float32, seconds_per_case=0.003)
     assert set(result.seconds) == set(CPU_PATHS)
     assert all(set(by_rows) == {1, 8} and min(by_rows.values()) > 0 for by_rows in result.seconds.values())
-    assert result.flops == {1: 2 * (64 * 32 * 2 + 32 * 64), 8: 16 * (64 * 32 * 2 + 32 * 64)}
+    # the second shape runs on at most 4 rows
+    assert result.flops == {1: 2 * (64 * 32 * 2 + 32 * 64), 8: 2 * (8 * 64 * 32 * 2 + 4 * 32 * 64)}
     assert result.fastest() in CPU_PATHS and result.gflops(GemmPath.TORCH) > 0
