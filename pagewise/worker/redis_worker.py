@@ -13,6 +13,10 @@ Invariants:
 - An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
 - A settlement — the winning execution's reconcile and its terminal event — is one MULTI/EXEC when the quotas
   live in this Redis: the reconcile runs first, and no reader sees the event without it.
+- A Redis fault never ends the worker: reading the inbox, the abort channel, the heartbeat and adoption each
+  retry with backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`). After a failed read the worker announces itself
+  again — consumer group (a restarted Redis may have lost the stream), engine info, heartbeat — so a Redis that
+  came back empty is served again without a restart of the worker.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import suppress
 
 import redis.asyncio as redis
 from redis.asyncio.client import Pipeline
@@ -38,6 +43,14 @@ READ_COUNT = 64
 READ_BLOCK_MS = 1000
 EVENTS_MAXLEN = 100_000  # entries kept per request stream (a runaway reader cannot grow Redis without bound)
 EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late readers and reconnects
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
+
+
+def _is_redis_fault(error: BaseException) -> bool:
+    """A lost or refused connection, or a stream whose group is gone (Redis restarted without its data)."""
+    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+        return True
+    return isinstance(error, redis.ResponseError) and "NOGROUP" in str(error)
 
 
 class RedisWorker:
@@ -72,11 +85,8 @@ class RedisWorker:
     async def run(self) -> None:
         """Serve until `stop()`: announce, heartbeat, listen for aborts, adopt dead workers, consume the inbox.
         On stop, in-flight requests run to their end first."""
-        await self._ensure_group(self.inbox)
-        info = self.host.engine_info(with_tokenizer=True)
-        await self._redis.set(self._keys.info(self.model), encode(info))
+        await self._announce()
         self.host.start()
-        await self._beat()
         tasks = [
             asyncio.create_task(self._keep_beating()),
             asyncio.create_task(self._listen_for_aborts()),
@@ -84,18 +94,46 @@ class RedisWorker:
         ]
         logger.info("worker %s serving %s (inbox %s)", self.worker_id, self.model, self.inbox)
         try:
-            while not self._stopping.is_set():
-                await self._consume(self.inbox)
+            await self._serve_inbox()
         finally:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._redis.delete(self._keys.alive(self.worker_id))  # others adopt what is left in the inbox
+            with suppress(redis.RedisError):  # Redis down: the key expires by itself
+                await self._redis.delete(self._keys.alive(self.worker_id))  # others adopt what is left in the inbox
             await self.host.drain()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _announce(self) -> None:
+        """Make this worker known: its inbox's consumer group, the model's engine info, a heartbeat."""
+        await self._ensure_group(self.inbox)
+        info = self.host.engine_info(with_tokenizer=True)
+        await self._redis.set(self._keys.info(self.model), encode(info))
+        await self._beat()
+
+    async def _serve_inbox(self) -> None:
+        """Consume the inbox until `stop()`, riding out Redis faults (see the module's invariants)."""
+        delay = RETRY_MIN_S
+        while not self._stopping.is_set():
+            try:
+                await self._consume(self.inbox)
+                delay = RETRY_MIN_S
+            except Exception as error:
+                if not _is_redis_fault(error):
+                    raise
+                logger.warning("reading the inbox failed (%s); retrying in %.1f s", error, delay)
+                await self._pause(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+                with suppress(Exception):
+                    await self._announce()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep for `seconds`, or less if the worker is stopped meanwhile."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     # ---- consuming
 
@@ -178,6 +216,21 @@ class RedisWorker:
     # ---- aborts
 
     async def _listen_for_aborts(self) -> None:
+        """Apply aborts published for this model; a lost subscription is made again (with backoff). An abort
+        published while it was down still reaches a Submit not yet read (the `aborted` key); one already running
+        misses it, and runs to its end."""
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                await self._apply_aborts()
+            except Exception as error:
+                if not _is_redis_fault(error):
+                    raise
+                logger.warning("the abort subscription failed (%s); subscribing again in %.1f s", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+
+    async def _apply_aborts(self) -> None:
         pubsub = self._redis.pubsub()
         await pubsub.subscribe(self._keys.aborts(self.model))
         try:
@@ -188,7 +241,8 @@ class RedisWorker:
                     if request_id in self.host.live:
                         self.host.abort(request_id)
         finally:
-            await pubsub.aclose()
+            with suppress(Exception):
+                await pubsub.aclose()
 
     # ---- heartbeat
 

@@ -200,9 +200,9 @@ def test_cache_dir_defaults_to_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     from pagewise.engine import loader
 
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path))
-    assert loader._cache_root(None) == tmp_path
+    assert loader.cache_root(None) == tmp_path
     monkeypatch.delenv("PAGEWISE_CACHE_DIR")
-    assert loader._cache_root(None) == Path.home() / ".cache" / "pagewise"
+    assert loader.cache_root(None) == Path.home() / ".cache" / "pagewise"
 
 
 @pytest.mark.parametrize("model", ["no-such-model", "/nonexistent/dir", "model.gguf"])
