@@ -29,7 +29,12 @@ def register(subparsers: argparse._SubParsersAction, add_engine_arguments: Calla
     worker = subparsers.add_parser("worker", help="run an engine worker that serves requests from Redis Streams")
     worker.add_argument("--worker-id", help="a stable name for this worker (default: <host>-<random>)")
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: none)")
-    worker.add_argument("--metrics-host", default="0.0.0.0", help="the metrics port's address (default: 0.0.0.0)")
+    worker.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the metrics port's address (default: 127.0.0.1); any other needs PAGEWISE_METRICS_TOKEN, which "
+        "every scrape must then send as a bearer token",
+    )
     add_database_url_argument(worker)
     add_engine_arguments(worker)
     worker.set_defaults(func=worker_command)
@@ -40,6 +45,7 @@ def worker_command(args: argparse.Namespace) -> int:
     from pagewise.platform.db.session import DatabaseUnreachableError, check_database
     from pagewise.platform.redis_check import RedisUnreachableError, check_redis
     from pagewise.platform.settings import Settings, SettingsError
+    from pagewise.worker.metrics_server import MetricsExposureError, check_exposure
 
     configure_logging()
     engine_flags = {f.name: getattr(args, f.name, None) for f in fields(EngineConfig)}
@@ -47,9 +53,11 @@ def worker_command(args: argparse.Namespace) -> int:
         settings = Settings.from_env(engine=engine_flags, database_url=args.database_url)
         if settings.redis_url is None:
             raise SettingsError("pagewise worker needs PAGEWISE_REDIS_URL (the Redis its API replicas use)")
+        if args.metrics_port is not None:
+            check_exposure(args.metrics_host, settings.metrics_token)
         asyncio.run(check_database(settings.database_url))
         asyncio.run(check_redis(settings.redis_url))
-    except (SettingsError, DatabaseUnreachableError, RedisUnreachableError) as error:
+    except (SettingsError, MetricsExposureError, DatabaseUnreachableError, RedisUnreachableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return STARTUP_ERROR_EXIT_STATUS
     return event_loop.run(_serve(settings, args))
@@ -57,7 +65,6 @@ def worker_command(args: argparse.Namespace) -> int:
 
 async def _serve(settings: Any, args: argparse.Namespace) -> int:
     import anyio
-    import prometheus_client
     import redis.asyncio as redis
 
     from pagewise.platform.app import engine_summary, load_engine
@@ -70,6 +77,7 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     from pagewise.protocol import RedisKeys
     from pagewise.tracing import configure_from_env
     from pagewise.worker.host import EngineHost
+    from pagewise.worker.metrics_server import serve_metrics
     from pagewise.worker.redis_worker import RedisWorker
 
     loop = asyncio.get_running_loop()
@@ -91,7 +99,7 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
         host = EngineHost(engine, RequestStore(db), traced_quotas(quotas))
         host.metrics = PlatformMetrics(host.stats, engine.model_name)
         if args.metrics_port is not None:
-            prometheus_client.start_http_server(args.metrics_port, args.metrics_host, registry=host.metrics.registry)
+            serve_metrics(host.metrics.registry, args.metrics_host, args.metrics_port, settings.metrics_token)
         worker = RedisWorker(
             host,
             client,

@@ -128,3 +128,11 @@ def test_an_unreachable_redis_is_one_line_before_the_model_loads(tmp_path: Path,
     errors = [line for line in result.stderr.splitlines() if not line.startswith("pagewise: ")]  # start-up summary
     assert (result.returncode, len(errors)) == (2, 1), result.stderr
     assert errors[0].startswith("error: cannot reach Redis at 127.0.0.1:1/0") and "secret" not in result.stderr
+
+
+def test_a_worker_refuses_to_expose_metrics_to_the_network_without_the_token(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'api.db'}"
+    env = {"PAGEWISE_REDIS_URL": "redis://127.0.0.1:6379/0"}
+    args = ("--metrics-port", "0", "--metrics-host", "0.0.0.0", "--model", NO_MODEL, "--database-url", url)
+    result = pagewise("worker", *args, cwd=tmp_path, env=env)
+    assert_one_error_line(result, "--metrics-host 0.0.0.0 would serve per-tenant metrics to the network")
