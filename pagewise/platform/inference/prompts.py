@@ -17,15 +17,24 @@ from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.errors import APIError, invalid_request
-from pagewise.platform.inference.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pagewise.platform.inference.schemas import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Text up to this many characters is tokenized on the event loop: with the default model's chat template that
-# takes no longer than the hand-off to a thread and back; longer text goes to a thread (its time grows with the
-# text), so no request holds the loop for long.
+# Work up to this size is rendered and tokenized on the event loop: with the default model's chat template that
+# takes no longer than the hand-off to a thread and back; more goes to a thread (its time grows with the text
+# and with the number of messages the template renders), so no request holds the loop for long. A message
+# counts as `MESSAGE_WORK_CHARS` characters on top of its text: the template's wrapper around each one.
 INLINE_TOKENIZE_CHARS = 512
+MESSAGE_WORK_CHARS = 32
 Endpoint = Literal["chat.completions", "completions"]
 T = TypeVar("T")
 
@@ -70,9 +79,19 @@ async def prepare_chat(
         logprobs = body.top_logprobs or 0
     elif body.top_logprobs is not None:
         raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if len(body.messages) > MAX_MESSAGES:
+        raise invalid_request(
+            f"messages holds {len(body.messages):,} messages; at most {MAX_MESSAGES:,} per request", param="messages"
+        )
+    parts = sum(len(m.content) for m in body.messages if isinstance(m.content, list))
+    if parts > MAX_CONTENT_PARTS:
+        raise invalid_request(
+            f"messages hold {parts:,} content parts; at most {MAX_CONTENT_PARTS:,} per request", param="messages"
+        )
     messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
+    work = sum(len(m["content"]) for m in messages) + MESSAGE_WORK_CHARS * len(messages)
     try:
-        prompt = await _tokenize(sum(len(m["content"]) for m in messages), engine.encode_chat, messages)
+        prompt = await _tokenize(work, engine.encode_chat, messages)
     except ValueError as error:
         raise invalid_request(
             f"messages cannot be rendered by the chat template: {error}", "messages"
@@ -115,9 +134,9 @@ async def prepare_completion(
     )
 
 
-async def _tokenize(num_chars: int, encode: Callable[..., T], *args: Any) -> T:
-    """`encode(*args)`: inline for text of at most `INLINE_TOKENIZE_CHARS` characters, else on a thread."""
-    if num_chars <= INLINE_TOKENIZE_CHARS:
+async def _tokenize(work: int, encode: Callable[..., T], *args: Any) -> T:
+    """`encode(*args)`: inline for work of at most `INLINE_TOKENIZE_CHARS` characters, else on a thread."""
+    if work <= INLINE_TOKENIZE_CHARS:
         return encode(*args)
     return await anyio.to_thread.run_sync(encode, *args)
 

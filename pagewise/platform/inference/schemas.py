@@ -19,6 +19,8 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 MAX_STOP = 16
 MAX_PROMPTS = 256  # entries of a completions `prompt` list; tenant and engine limits usually bind first
+MAX_MESSAGES = 2048  # messages of one chat request (each is rendered by the chat template)
+MAX_CONTENT_PARTS = 4096  # content parts across a chat request's messages
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
