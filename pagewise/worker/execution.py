@@ -149,11 +149,13 @@ class Execution:
                             break
                 if not self._aborted and not any(c.finish_reason == ABORTED for c in self._choices):
                     status = "completed"
-        except EngineDeadError as exc:
-            status, error = "failed", ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, f"the inference engine stopped: {exc}")
-        except Exception as exc:  # noqa: BLE001 - one request's failure is reported, never raised into the host
+        except EngineDeadError:
+            logger.exception("request %s failed: the engine stopped", self.request_id)
+            status, error = "failed", ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, "the inference engine stopped")
+        except Exception:  # noqa: BLE001 - one request's failure is reported, never raised into the host
+            # the exception's text stays in the log (and the trace): a tenant reads the row's error
             logger.exception("request %s failed on the engine", self.request_id)
-            status, error = "failed", ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            status, error = "failed", ErrorInfo(ErrorCode.INTERNAL, "the engine failed while running this request")
         # Cancellation (the host's loop going down) skips this: the row's lease then expires, and the request
         # is failed as an orphan or, in distributed mode, redelivered to another worker.
         return await asyncio.shield(asyncio.ensure_future(self._settle(status, error)))

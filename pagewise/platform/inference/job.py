@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from pagewise.protocol import (
     Usage,
 )
 
+logger = logging.getLogger(__name__)
 _ID_PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
 STALL_S = 30.0  # with no event for this long, the reader looks at the row
 ENDED_WAIT_S = 30.0  # how long `end` waits for the engine to write the final row
@@ -77,7 +79,7 @@ def engine_error(error: ErrorInfo) -> APIError:
     """The HTTP error for an engine-side refusal or failure."""
     if error.code is ErrorCode.INVALID_REQUEST:
         return invalid_request(error.message, param=error.param)
-    if error.code is ErrorCode.INTERNAL:  # the details stay in the row and the log
+    if error.code is ErrorCode.INTERNAL:  # the details stay in the log
         return APIError(500, "Internal server error", type="api_error")
     messages = {
         ErrorCode.ENGINE_UNAVAILABLE: "The inference engine is unavailable",
@@ -194,16 +196,21 @@ class InferenceJob:
         handed_over_at = time.monotonic()
         try:
             await transport.submit(submit)
-        except BaseException as exc:
+        except (APIError, asyncio.CancelledError) as exc:  # already an answer, or the caller went away
             await cls._unsubmitted(services, submit, exc)
             raise
+        except Exception as exc:  # the transport failed (Redis down): a 503 to retry, not an opaque 500
+            await cls._unsubmitted(services, submit, exc)
+            raise engine_error(ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, "not handed to an engine")) from None
         headers = rate_limit_headers(decision)
         return cls(services, principal, prepared, request_id, reservation, headers, handed_over_at)
 
     @staticmethod
     async def _unsubmitted(services: PlatformServices, submit: Submit, exc: BaseException) -> None:
-        """No engine got the request: fail its row and give its reservation back."""
-        now = FinishedRequest.failed(f"{ErrorCode.ENGINE_UNAVAILABLE}: not handed to an engine: {exc!r}")
+        """No engine got the request: fail its row (with a public message; the cause goes to the log) and give its
+        reservation back."""
+        logger.warning("request %s was not handed to an engine", submit.request_id, exc_info=exc)
+        now = FinishedRequest.failed(f"{ErrorCode.ENGINE_UNAVAILABLE}: the request could not be handed to an engine")
         if await services.requests.finish(submit.request_id, submit.tenant_id, submit.model, now):
             await services.quotas.reconcile(submit.reservation, 0)
 

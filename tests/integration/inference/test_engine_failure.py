@@ -56,7 +56,8 @@ async def test_a_request_raising_in_the_step_fails_alone(platform: Platform, mon
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 12
     assert (await platform.http.get("/ready")).status_code == 200
     [row] = (await platform.http.get("/v1/requests", headers=bearer(victim))).json()["data"]
-    assert row["status"] == "failed" and "poisoned request" in row["error"]
+    assert row["status"] == "failed" and row["error"] == "internal_error: the engine failed while running this request"
+    assert "poisoned" not in str(row)  # the stored error is public too: the cause is in the log only
     quota = await platform.services.quotas.usage(victim_tenant["id"])
     assert quota.concurrent == 0 and quota.tokens_this_minute == row["usage"]["total_tokens"]
     again = await platform.http.post("/v1/completions", json=good, headers=bearer(victim))
@@ -172,3 +173,24 @@ def test_serve_exits_with_status_3_when_its_engine_process_is_killed(tmp_path: P
         assert server.process.wait(timeout=60) == 3, server.log_path.read_text()[-3000:]
         log = server.log_path.read_text()
         assert "the engine process exited" in log and "the engine stopped after an error" in log
+
+
+async def test_a_request_no_engine_took_keeps_its_cause_out_of_its_row(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-over failed (Redis down): the row is failed with our code and a public message; the driver's
+    text, with its addresses, goes to the log only."""
+
+    async def refused(submit: object) -> None:
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(platform.services.engine.transport, "submit", refused)
+    _, key = await platform.tenant_with_key()
+    body = {"endpoint": "/v1/chat/completions", "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    created = await platform.http.post("/v1/requests", json=body, headers=bearer(key))
+    assert created.status_code == 503 and created.headers["Retry-After"] == "5" and "6379" not in created.text
+    assert created.json()["error"]["code"] == "engine_unavailable"
+    [row] = (await platform.http.get("/v1/requests", headers=bearer(key))).json()["data"]
+    assert row["status"] == "failed"
+    assert row["error"] == "engine_unavailable: the request could not be handed to an engine"
+    assert "6379" not in str(row)
