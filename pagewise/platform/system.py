@@ -1,4 +1,4 @@
-"""Operational routes: `/health` (liveness) and `/ready` (model and database) are public; `/metrics` needs
+"""Operational routes: `/health` (liveness) and `/ready` (model, database and quota store) are public; `/metrics` needs
 the metrics token (`PAGEWISE_METRICS_TOKEN`) or an admin key as its bearer."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class Readiness(msgspec.Struct):
     status: str
     model_loaded: bool
     database: bool
+    quotas: bool  # the quota store answers (Redis, where quotas live there)
 
 
 @get("/health", tags=["system"])
@@ -29,7 +30,8 @@ async def health() -> Health:
 
 @get("/ready", tags=["system"])
 async def ready(services: Services) -> Response[Readiness]:
-    """200 once the model is loaded and the database answers; 503 otherwise."""
+    """200 once the model is loaded and the database and the quota store answer; 503 otherwise (a load balancer
+    then stops sending requests that could only fail)."""
     model_loaded = services.engine.is_ready()
     try:
         async with services.sessionmaker() as session:
@@ -37,9 +39,10 @@ async def ready(services: Services) -> Response[Readiness]:
         database = True
     except Exception:  # noqa: BLE001 - any failure means "not ready"
         database = False
-    ok = model_loaded and database
+    quotas = await services.quotas.ping()
+    ok = model_loaded and database and quotas
     return Response(
-        Readiness("ready" if ok else "not_ready", model_loaded, database), status_code=200 if ok else 503
+        Readiness("ready" if ok else "not_ready", model_loaded, database, quotas), status_code=200 if ok else 503
     )
 
 

@@ -9,6 +9,7 @@ from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
 from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
+from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.settings import Settings
 
 from .harness import MODEL, Platform, bearer
@@ -22,8 +23,24 @@ async def test_health_ready_and_schema_need_no_key(platform: Platform) -> None:
     assert (await platform.http.get("/health")).json() == {"status": "ok"}
     ready = await platform.http.get("/ready")
     assert ready.status_code == 200 and ready.json()["model_loaded"] and ready.json()["database"]
+    assert ready.json()["quotas"] is True
     schema = (await platform.http.get("/schema/openapi.json")).json()
     assert "/v1/chat/completions" in schema["paths"] and "/admin/tenants" in schema["paths"]
+
+
+async def test_ready_is_503_while_the_quota_stores_redis_is_down(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
+) -> None:
+    """Nothing listens where the quota store's Redis should be: every admission would fail, so not ready."""
+    settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key)
+    down = RedisQuotaStore.from_url("redis://127.0.0.1:1/0", redis_key_prefix)
+    app = create_app(settings, engine=llm_engine, quotas=down)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    async with app.lifespan(), client as http:
+        ready = await http.get("/ready")
+    await down.close()
+    assert ready.status_code == 503
+    assert ready.json() == {"status": "not_ready", "model_loaded": True, "database": True, "quotas": False}
 
 
 async def test_metrics_and_admin_views(platform: Platform) -> None:

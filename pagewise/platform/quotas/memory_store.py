@@ -189,6 +189,9 @@ class InProcessQuotaStore:
         c, windows, _ = self._counters(scope_id)
         return self._snapshot(c, windows)
 
+    async def ping(self) -> bool:
+        return True
+
     async def close(self) -> None:
         self._scopes.clear()
 

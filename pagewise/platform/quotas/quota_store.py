@@ -191,6 +191,10 @@ class QuotaStore(Protocol):
         """The counters of a tenant (or, by its id, a key: no leases, so no concurrency)."""
         ...
 
+    async def ping(self) -> bool:
+        """Whether the store answers now (quickly: `/ready` asks it)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -20,6 +20,7 @@ is never added to a counter that a reconcile started from nothing.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from pagewise.platform.quotas.quota_store import (
 )
 
 _MINUTE_TTL_S = 120
+_PING_TIMEOUT_S = 2.0
 _MONTH_EXTRA_TTL_S = 7 * 86400
 
 # Shared by the scripts. A live lease's slots are always present with its score, so writing a lease anew
@@ -341,6 +343,12 @@ class RedisQuotaStore:
             pipe.zcount(self._key(scope_id, "leases"), f"({now!r}", "+inf")
             values, live_slots, live_leases = await pipe.execute()
         return _usage(int(live_slots), int(live_leases), values, w)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self._redis.ping(), _PING_TIMEOUT_S))
+        except (redis.RedisError, OSError, TimeoutError):
+            return False
 
     async def close(self) -> None:
         await self._redis.aclose()
