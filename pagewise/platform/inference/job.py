@@ -166,6 +166,7 @@ class InferenceJob:
             services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
             raise quota_exceeded(decision, tokens, slots, requested_spend=spend)
         reservation = decision.reservation
+        lease = services.lease_expiry()
         record = RequestRecord(
             id=request_id,
             tenant_id=principal.tenant_id,
@@ -175,7 +176,7 @@ class InferenceJob:
             input=prepared.input,
             params=prepared.params_record(),
             status="queued",
-            lease_expires_at=services.lease_expiry(),
+            lease_expires_at=lease,
             trace_id=tracing.trace_id(),
         )
         try:
@@ -192,6 +193,9 @@ class InferenceJob:
             params=prepared.params,
             reservation=reservation,
             tenant_weight=principal.weight,
+            # an engine taking it later than its row's lease would run work nobody waits for: the orphan sweep
+            # fails such a row, and the reservation's lease has run out with it
+            deadline=lease.timestamp(),
         )
         handed_over_at = time.monotonic()
         try:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import os
 import signal
 import sys
@@ -194,3 +195,22 @@ async def test_a_request_no_engine_took_keeps_its_cause_out_of_its_row(
     assert row["status"] == "failed"
     assert row["error"] == "engine_unavailable: the request could not be handed to an engine"
     assert "6379" not in str(row)
+
+
+async def test_a_submit_taken_after_its_rows_lease_is_not_run(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Submit whose row's lease ran out before an engine took it (it sat in a dead worker's inbox) is refused
+    with `queue_timeout`: computing it would bill nobody and deliver to nobody."""
+    from pagewise.platform.services import PlatformServices
+
+    expired = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    monkeypatch.setattr(PlatformServices, "lease_expiry", lambda self: expired)
+    _, key = await platform.tenant_with_key()
+    before = platform.services.engine.transport.stats()["prompt_tokens_total"]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+    refused = await platform.http.post("/v1/completions", json=body, headers=bearer(key))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_timeout", refused.text
+    [row] = (await platform.http.get("/v1/requests", headers=bearer(key))).json()["data"]
+    assert row["status"] == "failed" and row["usage"]["completion_tokens"] == 0
+    assert platform.services.engine.transport.stats()["prompt_tokens_total"] == before  # never reached the engine
