@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.db.database import Database
 from pagewise.platform.engine_client import EngineClient
+from pagewise.platform.keys.auth_throttle import FailedAuthThrottle
 from pagewise.platform.quotas.quota_store import QuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
@@ -31,6 +32,7 @@ class PlatformServices:
     database: Database
     requests: RequestStore
     metrics: PlatformMetrics
+    auth_failures: FailedAuthThrottle = field(default_factory=FailedAuthThrottle)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -8,7 +8,7 @@ from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
-from pagewise.platform.keys.auth import authorize_metrics
+from pagewise.platform.keys.auth import authorize_metrics, client_address
 from pagewise.platform.services import Services
 
 
@@ -49,5 +49,11 @@ async def ready(services: Services) -> Response[Readiness]:
 @get("/metrics", tags=["system"], media_type=CONTENT_TYPE_LATEST)
 async def metrics(request: Request, services: Services) -> Response[bytes]:
     """Prometheus text; 401 without the metrics token or an API key, 403 for a key without `admin`."""
-    await authorize_metrics(services.database, request.headers.get("authorization"), services.settings.metrics_token)
+    await authorize_metrics(
+        services.database,
+        request.headers.get("authorization"),
+        services.settings.metrics_token,
+        services.auth_failures,
+        client_address(request),
+    )
     return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -22,6 +22,7 @@ from sqlalchemy import Connection, Row, bindparam, select, update
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError
+from pagewise.platform.keys.auth_throttle import FailedAuthThrottle
 from pagewise.platform.keys.key_format import ParsedKey, parse_key, secret_matches
 from pagewise.platform.keys.schemas import key_status
 from pagewise.platform.quotas.quota_store import KeyQuota, QuotaLimits
@@ -103,15 +104,34 @@ def bearer_token(authorization: str | None) -> str | None:
     return authorization[7:].strip()
 
 
-async def authenticate(database: Database, authorization: str | None) -> Principal:
-    """Resolve an `Authorization: Bearer pw_…` header to a principal, or raise 401/403."""
+async def authenticate(
+    database: Database,
+    authorization: str | None,
+    throttle: FailedAuthThrottle | None = None,
+    address: str = "",
+) -> Principal:
+    """Resolve an `Authorization: Bearer pw_…` header from client `address` to a principal, or raise 401/403 —
+    or 429 when `throttle` has seen too many failed lookups from that address or for that key's prefix. Every
+    route passes its app's throttle; only the tests and the admin command line, which face no network, omit it."""
     token = bearer_token(authorization)
     if token is None:
         raise unauthorized("Missing API key: send `Authorization: Bearer pw_<prefix>_<secret>`")
     parsed = parse_key(token)
     if parsed is None:
         raise unauthorized("Malformed API key: expected `pw_<prefix>_<secret>`")
-    return await database.run(partial(_principal, parsed))
+    if throttle is not None:
+        throttle.check(address, parsed.prefix)
+    try:
+        return await database.run(partial(_principal, parsed))
+    except APIError as error:
+        if error.status_code == 401 and throttle is not None:
+            throttle.failed(address, parsed.prefix)
+        raise
+
+
+def client_address(connection: ASGIConnection) -> str:
+    """The peer's address as the server saw it (behind a proxy: the proxy's)."""
+    return connection.client.host if connection.client is not None else ""
 
 
 def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
@@ -147,7 +167,11 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
     """Sets `request.user` to the caller's `Principal` on every non-public route."""
 
     async def authenticate_request(self, connection: ASGIConnection) -> AuthenticationResult:
-        principal = await authenticate(connection.app.state.services.database, connection.headers.get("authorization"))
+        services = connection.app.state.services
+        authorization = connection.headers.get("authorization")
+        principal = await authenticate(
+            services.database, authorization, services.auth_failures, client_address(connection)
+        )
         return AuthenticationResult(user=principal, auth=principal.key_id)
 
 
@@ -176,7 +200,13 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-async def authorize_metrics(database: Database, authorization: str | None, metrics_token: str | None) -> None:
+async def authorize_metrics(
+    database: Database,
+    authorization: str | None,
+    metrics_token: str | None,
+    throttle: FailedAuthThrottle | None = None,
+    address: str = "",
+) -> None:
     """Let `/metrics` be read with `Authorization: Bearer <metrics_token>` or an admin key.
 
     No or a wrong bearer is a 401; a valid key without the `admin` scope is a 403 (`insufficient_scope`),
@@ -190,4 +220,4 @@ async def authorize_metrics(database: Database, authorization: str | None, metri
         return
     if parse_key(token) is None:
         raise unauthorized("Incorrect metrics token or API key provided")
-    check_scope(await authenticate(database, authorization), "admin")
+    check_scope(await authenticate(database, authorization, throttle, address), "admin")

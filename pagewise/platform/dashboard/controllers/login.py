@@ -11,7 +11,7 @@ from pagewise.platform.dashboard.csrf import CSRF_FIELD, LOGIN_COOKIE, csrf_matc
 from pagewise.platform.dashboard.forms import text
 from pagewise.platform.dashboard.session import close_session, load_session, open_session
 from pagewise.platform.errors import APIError
-from pagewise.platform.keys.auth import DASHBOARD_PATH, authenticate, check_scope
+from pagewise.platform.keys.auth import DASHBOARD_PATH, authenticate, check_scope, client_address
 from pagewise.platform.services import Services
 from pagewise.platform.tenants.last_admin import ADMIN_SCOPE
 
@@ -44,7 +44,8 @@ class LoginController(Controller):
         if not csrf_matches(request.cookies.get(LOGIN_COOKIE), form.get(CSRF_FIELD)):
             return login_page(request, "The login form expired: please sign in again.", 403)
         try:
-            principal = await authenticate(services.database, f"Bearer {text(form, 'api_key')}")
+            bearer = f"Bearer {text(form, 'api_key')}"
+            principal = await authenticate(services.database, bearer, services.auth_failures, client_address(request))
             check_scope(principal, ADMIN_SCOPE)
         except APIError as error:
             message = NOT_ADMIN if error.code == "insufficient_scope" else error.message
