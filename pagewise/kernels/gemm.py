@@ -16,6 +16,7 @@ not offered (``supported_paths`` tries each on a tiny product).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,11 +107,7 @@ class GemmTiming:
         reference = self.seconds[GemmPath.TORCH]
 
         def relative(path: GemmPath) -> float:
-            ratios = [self.seconds[path][rows] / reference[rows] for rows in reference]
-            product = 1.0
-            for ratio in ratios:
-                product *= ratio
-            return product ** (1 / len(ratios))
+            return statistics.geometric_mean(self.seconds[path][rows] / reference[rows] for rows in reference)
 
         eligible = [
             path
@@ -135,8 +132,10 @@ def time_paths(
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(s.out_features, s.in_features, generator=generator).to(dtype) * 0.05 for s in shapes]
     inputs = {
-        m: {(s.rows(m), s.in_features): torch.randn(s.rows(m), s.in_features, generator=generator).to(dtype)
-            for s in shapes}
+        m: {
+            (s.rows(m), s.in_features): torch.randn(s.rows(m), s.in_features, generator=generator).to(dtype)
+            for s in shapes
+        }
         for m in rows
     }
     prepared = {path: [PackedWeight(path, w, None) for w in weights] for path in paths}
@@ -148,9 +147,7 @@ def time_paths(
                     for i, (shape, op) in enumerate(zip(shapes, prepared[path], strict=True)):
                         x = inputs[m][shape.rows(m), shape.in_features]
                         best[path, m, i] = min(best[path, m, i], _time_call(op, x, seconds_per_case / rounds))
-    seconds = {
-        path: {m: sum(s.count * best[path, m, i] for i, s in enumerate(shapes)) for m in rows} for path in paths
-    }
+    seconds = {path: {m: sum(s.count * best[path, m, i] for i, s in enumerate(shapes)) for m in rows} for path in paths}
     flops = {m: sum(2 * s.rows(m) * s.out_features * s.in_features * s.count for s in shapes) for m in rows}
     return GemmTiming(seconds, flops)
 

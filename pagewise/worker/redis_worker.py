@@ -13,10 +13,10 @@ Invariants:
 - An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
 - A settlement — the winning execution's reconcile and its terminal event — is one MULTI/EXEC when the quotas
   live in this Redis: the reconcile runs first, and no reader sees the event without it.
-- A Redis fault never ends the worker: reading the inbox, the abort channel, the heartbeat and adoption each
-  retry with backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`). After a failed read the worker announces itself
-  again — consumer group (a restarted Redis may have lost the stream), engine info, heartbeat — so a Redis that
-  came back empty is served again without a restart of the worker.
+- A Redis fault never ends the worker: reading the inbox, the abort channel, acknowledging a finished Submit,
+  the heartbeat and adoption each retry with backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`). After a failed
+  read the worker announces itself again — consumer group (a restarted Redis may have lost the stream), engine
+  info, heartbeat — so a Redis that came back empty is served again without a restart of the worker.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
 import redis.asyncio as redis
@@ -47,10 +48,19 @@ RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
 
 
 def _is_redis_fault(error: BaseException) -> bool:
-    """A lost or refused connection, or a stream whose group is gone (Redis restarted without its data)."""
+    """A lost or refused connection (a Redis still loading its data included), or a stream or group gone under
+    a read (Redis restarted without its data, or flushed while a read was blocked on it)."""
     if isinstance(error, redis.ConnectionError | redis.TimeoutError):
         return True
-    return isinstance(error, redis.ResponseError) and "NOGROUP" in str(error)
+    return isinstance(error, redis.ResponseError) and str(error).startswith(("NOGROUP", "UNBLOCKED"))
+
+
+def _log_failure(what: str, error: Exception) -> None:
+    """A Redis fault in one line (it is expected while Redis restarts); anything else with its traceback."""
+    if _is_redis_fault(error):
+        logger.warning("%s failed (%s); retrying at the next beat", what, error)
+    else:
+        logger.error("%s failed", what, exc_info=error)
 
 
 class RedisWorker:
@@ -116,19 +126,35 @@ class RedisWorker:
 
     async def _serve_inbox(self) -> None:
         """Consume the inbox until `stop()`, riding out Redis faults (see the module's invariants)."""
+        await self._riding_out_faults(lambda: self._consume(self.inbox), "reading the inbox", self._announce)
+
+    async def _riding_out_faults(
+        self,
+        step: Callable[[], Awaitable[object]],
+        what: str,
+        recover: Callable[[], Awaitable[None]] | None = None,
+        *,
+        repeat: bool = True,
+    ) -> None:
+        """Run `step` again and again until `stop()` (`repeat=False`: until it succeeds once); after a Redis fault
+        wait (backoff from `RETRY_MIN_S` doubling to `RETRY_MAX_S`, reset by a step that succeeds), then try
+        `recover` once (its own failure is the next step's fault). Any other error is raised."""
         delay = RETRY_MIN_S
         while not self._stopping.is_set():
             try:
-                await self._consume(self.inbox)
+                await step()
+                if not repeat:
+                    return
                 delay = RETRY_MIN_S
             except Exception as error:
                 if not _is_redis_fault(error):
                     raise
-                logger.warning("reading the inbox failed (%s); retrying in %.1f s", error, delay)
+                logger.warning("%s failed (%s); retrying in %.1f s", what, error, delay)
                 await self._pause(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
-                with suppress(Exception):
-                    await self._announce()
+                if recover is not None:
+                    with suppress(Exception):
+                        await recover()
 
     async def _pause(self, seconds: float) -> None:
         """Sleep for `seconds`, or less if the worker is stopped meanwhile."""
@@ -173,7 +199,9 @@ class RedisWorker:
             try:
                 await task
             finally:
-                await self._ack(stream, entry_id)
+                # a fault at this moment must not lose the ack: retried until `stop()`; an entry left pending
+                # then is rerun by an adopter and answered from its final row (never billed twice)
+                await self._riding_out_faults(lambda: self._ack(stream, entry_id), "acknowledging", repeat=False)
 
         wrapper = asyncio.create_task(finish())
         self._inflight.add(wrapper)
@@ -219,16 +247,7 @@ class RedisWorker:
         """Apply aborts published for this model; a lost subscription is made again (with backoff). An abort
         published while it was down still reaches a Submit not yet read (the `aborted` key); one already running
         misses it, and runs to its end."""
-        delay = RETRY_MIN_S
-        while True:
-            try:
-                await self._apply_aborts()
-            except Exception as error:
-                if not _is_redis_fault(error):
-                    raise
-                logger.warning("the abort subscription failed (%s); subscribing again in %.1f s", error, delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, RETRY_MAX_S)
+        await self._riding_out_faults(self._apply_aborts, "the abort subscription")
 
     async def _apply_aborts(self) -> None:
         pubsub = self._redis.pubsub()
@@ -258,8 +277,8 @@ class RedisWorker:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await self._beat()
-            except Exception:  # noqa: BLE001 - a Redis hiccup: the next beat retries
-                logger.exception("heartbeat failed")
+            except Exception as error:  # noqa: BLE001 - the next beat retries
+                _log_failure("the heartbeat", error)
 
     # ---- adopting a dead worker's Submits
 
@@ -268,8 +287,8 @@ class RedisWorker:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await self.adopt_dead()
-            except Exception:  # noqa: BLE001 - retried at the next beat
-                logger.exception("adopting dead workers' requests failed")
+            except Exception as error:  # noqa: BLE001 - retried at the next beat
+                _log_failure("adopting dead workers' requests", error)
 
     async def adopt_dead(self) -> None:
         """Take over the Submits of every worker of this model whose heartbeat expired."""
@@ -297,9 +316,7 @@ class RedisWorker:
         rerun each from the start, or dead-letter it once delivered too often. Entries a live worker holds —
         this one's included, when it adopted them earlier — are left alone."""
         min_idle_ms = int(self._ttl_s * 1000)
-        pending = await self._redis.xpending_range(
-            stream, RedisKeys.GROUP, "-", "+", READ_COUNT, idle=min_idle_ms
-        )
+        pending = await self._redis.xpending_range(stream, RedisKeys.GROUP, "-", "+", READ_COUNT, idle=min_idle_ms)
         alive: dict[str, bool] = {self.worker_id: True}
         orphaned = []
         for entry in pending:

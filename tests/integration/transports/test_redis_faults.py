@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from contextlib import suppress
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as redis
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.anyio
 
 
 class CuttableProxy:
-    """A TCP forwarder to the machine's Redis. `cut()` closes every connection through it and refuses new ones
-    until `restore()` — what a client sees while Redis restarts."""
+    """A TCP forwarder to the tests' Redis (`REDIS_URL`). `cut()` closes every connection through it and refuses
+    new ones until `restore()` — what a client sees while Redis restarts."""
 
     def __init__(self) -> None:
         self.server: asyncio.Server | None = None
@@ -46,7 +47,8 @@ class CuttableProxy:
         if self._refusing:
             writer.close()
             return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 6379)
+        upstream = urlsplit(REDIS_URL)
+        up_reader, up_writer = await asyncio.open_connection(upstream.hostname, upstream.port or 6379)
         self._open.update((writer, up_writer))
 
         async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
@@ -93,8 +95,14 @@ async def test_a_worker_survives_cut_connections_and_a_redis_that_lost_its_data(
     proxy = CuttableProxy()
     await proxy.start()
     settings = Settings.from_env(
-        {}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key, redis_url=REDIS_URL,
-        redis_key_prefix=redis_key_prefix, engine_mode="redis", worker_heartbeat_s=0.2,
+        {},
+        database_url=database_url,
+        auto_migrate=False,
+        admin_key=generate_key().key,
+        redis_url=REDIS_URL,
+        redis_key_prefix=redis_key_prefix,
+        engine_mode="redis",
+        worker_heartbeat_s=0.2,
     )
     quotas = RedisQuotaStore.from_url(REDIS_URL, redis_key_prefix)
     app = create_app(settings, quotas=quotas)
