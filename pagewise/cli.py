@@ -37,7 +37,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
-    group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    group.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto (default): bf16 projections where the CPU multiplies bf16 natively, else fp32; float32 is exact",
+    )
     group.add_argument(
         "--gemm-path",
         help="matmul path of the projections: auto (default: the fastest here, timed once per CPU kind), torch or "

@@ -29,7 +29,7 @@ def kv_bytes_per_token(model: str, dtype: str = "float32") -> tuple[int, int]:
     from pagewise.engine.loader import load_model
     from pagewise.engine.model_runner import KVCache
 
-    torch_dtype = EngineConfig(model=model, dtype=dtype).torch_dtype
+    torch_dtype = EngineConfig(model=model, dtype=dtype).resolve_precision().kv_cache
     arch = load_model(model, progress=False).arch
     per_token = KVCache.bytes_per_block(arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, torch_dtype)
     return per_token, arch.max_position_embeddings

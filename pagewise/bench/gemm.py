@@ -21,23 +21,24 @@ _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16
 
 def run(args: argparse.Namespace) -> int:
     from pagewise.engine.config import EngineConfig
-    from pagewise.engine.gemm_selection import TIMED_ROWS, cpu_signature, select_gemm_path, weight_shapes
+    from pagewise.engine.gemm_selection import TIMED_ROWS, select_gemm_path, weight_shapes
     from pagewise.engine.loader import cache_root, load_model
-    from pagewise.kernels.gemm import supported_paths, time_paths
+    from pagewise.kernels.gemm import cpu_signature, supported_paths, time_paths
 
-    config = EngineConfig(model=args.model, dtype=args.dtype)
-    arch = load_model(config.model, dtype=config.torch_dtype, progress=False).arch
+    matmul = EngineConfig(model=args.model, dtype=args.dtype).resolve_precision().matmul
+    arch = load_model(args.model, progress=False).arch
     device = torch.device("cpu")
-    paths = supported_paths(device, config.torch_dtype)
-    print(f"timing {', '.join(paths)} on {args.model}'s projections ({args.dtype})", flush=True)
-    timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, config.torch_dtype)
-    chosen = select_gemm_path("auto", arch, device, config.torch_dtype, cache_root(None))
+    paths = supported_paths(device, matmul)
+    dtype = str(matmul).removeprefix("torch.")
+    print(f"timing {', '.join(paths)} on {args.model}'s projections ({dtype})", flush=True)
+    timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, matmul)
+    chosen = select_gemm_path("auto", arch, device, matmul, cache_root(None))
     name, _, flags = cpu_signature().partition(" | ")
     result: dict[str, Any] = {
         "cpu": name,
         "cpu_flags": [f for f in _FLAGS_OF_INTEREST if f in flags.split()],
         "threads": torch.get_num_threads(),
-        "dtype": args.dtype,
+        "dtype": dtype,
         "model": args.model,
         "candidates": {p.value: round(timing.gflops(p), 2) for p in paths},
         "by_rows": {str(m): {p.value: round(timing.gflops_at(p, m), 2) for p in paths} for m in TIMED_ROWS},
@@ -60,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("gemm", help="the matmul paths on a model's shapes, GFLOP/s, and the chosen one")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the projections' dtype; auto: the engine's default on this CPU",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)

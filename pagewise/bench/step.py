@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=num_seqs,
             kv_cache_memory_bytes=_NOT_THE_LIMIT_BYTES,
             gemm_path=args.gemm_path,
+            dtype=args.dtype,
         ),
         progress=False,
     )
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "num_seqs": num_seqs,
         "gemm_path": engine.gemm.path.value,
+        "precision": engine.precision.describe(),
         "sampled": args.sampled,
         "torch_threads": torch.get_num_threads(),
         "backends": backends,
@@ -204,6 +206,7 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per backend and context (default 5)")
     parser.add_argument("--sampled", action="store_true", help="sample (T 0.8, top-p 0.95, top-k 50), not greedy")
     parser.add_argument("--gemm-path", default="auto", help="the engine's matmul path (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="default: auto")
     parser.set_defaults(func=run)
 
 

@@ -10,10 +10,30 @@ from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.gemm_selection import CHOICES as GEMM_CHOICES
 from pagewise.engine.sampling_params import is_int
 from pagewise.engine.scheduler import POLICIES
+from pagewise.kernels.gemm import cpu_has_native_bf16
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _DEFAULT_CPU_FAIR_BUDGET = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """What an engine computes in. ``model``: its parameters and the activations between projections (the
+    residual stream, norms, rotary, attention, logits); ``matmul``: the projections' weights and inputs (the
+    products accumulate in fp32 and return in ``model``); ``kv_cache``: the cached keys and values."""
+
+    model: torch.dtype
+    matmul: torch.dtype
+    kv_cache: torch.dtype
+
+    @classmethod
+    def uniform(cls, dtype: torch.dtype) -> Precision:
+        return cls(dtype, dtype, dtype)
+
+    def describe(self) -> dict[str, str]:
+        return {part: str(getattr(self, part)).removeprefix("torch.") for part in ("model", "matmul", "kv_cache")}
 
 
 @dataclass(slots=True)
@@ -39,6 +59,9 @@ class EngineConfig:
     - ``gemm_path``: the matmul path of every projection (``pagewise.kernels.gemm``): ``auto`` times the paths
       this machine has on the model's shapes and takes the fastest (cached per CPU kind; see
       ``gemm_selection``), or a path's name forces it.
+    - ``dtype``: ``auto`` (bf16 projections where the CPU multiplies bf16 natively, fp32 elsewhere; see
+      ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
+      greedy outputs equal HF transformers' fp32 token for token.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -54,7 +77,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 1024**3
-    dtype: str = "float32"
+    dtype: str = "auto"
     gemm_path: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -91,8 +114,8 @@ class EngineConfig:
             fail(f"scheduling_policy must be 'fcfs' or 'fair', got {self.scheduling_policy!r}")
         if not is_int(self.swap_space_bytes) or self.swap_space_bytes < 0:
             fail(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
-        if self.dtype not in _DTYPES:
-            fail(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            fail(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.gemm_path not in GEMM_CHOICES:
             fail(f"gemm_path must be one of {list(GEMM_CHOICES)}, got {self.gemm_path!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -100,9 +123,16 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             fail(f"device {self.device!r} requested but CUDA is not available")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def resolve_precision(self) -> Precision:
+        """``dtype`` as what each part computes in. A named dtype is used for everything. ``auto`` on a CPU with
+        native bf16 products (``cpu_has_native_bf16``) runs the projections in bf16 (weights and inputs; fp32
+        accumulation) and keeps the rest, the KV cache included, in fp32; everywhere else it is fp32 throughout
+        (fp16 is never chosen: CPUs of this kind have no native fp16 arithmetic)."""
+        if self.dtype != "auto":
+            return Precision.uniform(_DTYPES[self.dtype])
+        if not self.device.startswith("cuda") and cpu_has_native_bf16():
+            return Precision(torch.float32, torch.bfloat16, torch.float32)
+        return Precision.uniform(torch.float32)
 
     def resolve_max_model_len(self, model_context_len: int) -> int:
         """``max_model_len`` checked against the model's context window (or derived from it)."""

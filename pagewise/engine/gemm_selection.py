@@ -22,7 +22,7 @@ import torch
 
 from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.model_config import ModelArchConfig
-from pagewise.kernels.gemm import GemmPath, WeightShape, supported_paths, time_paths
+from pagewise.kernels.gemm import GemmPath, WeightShape, cpu_signature, supported_paths, time_paths
 
 AUTO = "auto"
 CHOICES = (AUTO, *(path.value for path in GemmPath))
@@ -85,24 +85,6 @@ def select_gemm_path(
     selection = GemmSelection(timing.fastest(), "measured", {p.value: round(timing.gflops(p), 2) for p in supported})
     _write(entry, {"chosen": selection.path.value, "candidates_gflops": selection.gflops})
     return selection
-
-
-def cpu_signature() -> str:
-    """The CPU's model name and feature flags (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags")
-    found = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in wanted and key not in found:
-            found[key] = value.strip()
-    return " | ".join(found.get(key, "") for key in wanted)
 
 
 def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dtype) -> str:

@@ -56,9 +56,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         budget = config.resolve_kv_cache_bytes()
         at_start = DeviceMemory.read(self.device) if budget is None else None
-        loaded = load_model(
-            config.model, dtype=config.torch_dtype, cache_dir=config.cache_dir, progress=progress
-        )
+        self.precision = precision = config.resolve_precision()
+        loaded = load_model(config.model, dtype=precision.model, cache_dir=config.cache_dir, progress=progress)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.generation_eos_token_ids)
@@ -69,19 +68,19 @@ class LLMEngine:
         fair_budget = config.resolve_fair_max_num_batched_tokens(self.max_num_batched_tokens, self.max_model_len)
         self.block_size = config.block_size
         with skip_weight_init():
-            model = LlamaForCausalLM(arch, self.max_model_len).to(config.torch_dtype)
+            model = LlamaForCausalLM(arch, self.max_model_len).to(precision.model)
         model.load_hf_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
         self.gemm = select_gemm_path(
-            config.gemm_path, arch, self.device, config.torch_dtype, cache_root(config.cache_dir)
+            config.gemm_path, arch, self.device, precision.matmul, cache_root(config.cache_dir)
         )
-        self.model.use_gemm_path(self.gemm.path)
+        self.model.use_gemm_path(self.gemm.path, precision.matmul)
         _logger.info("matmul path %s (%s): %s", self.gemm.path, self.gemm.source, self.gemm.gflops or "not timed")
         if budget is None:
             budget = self._measure_kv_budget(at_start)
         per_block = KVCache.bytes_per_block(
-            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, config.torch_dtype
+            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, precision.kv_cache
         )
         # More blocks than every sequence at full length could use would only cost memory and start-up time.
         useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
@@ -99,7 +98,7 @@ class LLMEngine:
             config.block_size,
             arch.num_kv_heads,
             arch.head_dim,
-            config.torch_dtype,
+            precision.kv_cache,
             self.device,
         )
         self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching)
@@ -390,6 +389,7 @@ class LLMEngine:
             "scheduling_policy": self.config.scheduling_policy,
             "gemm_path": self.gemm.path.value,
             "gemm_path_source": self.gemm.source,
+            "precision": self.precision.describe(),
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
             **self.metrics.snapshots(),
         }

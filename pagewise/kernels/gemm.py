@@ -9,18 +9,22 @@ The paths compute the same product; they differ in the library and in the weight
   path vLLM's CPU build takes). On AMD EPYC this is several times faster than MKL for a handful of rows.
 
 Both accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
-inputs). MKL's packed sgemm is not offered: torch packs it for one row count and falls back to the plain call for
-any other, and a step's row count changes every step. A path this build or this CPU cannot run for a dtype is
-not offered (``supported_paths`` tries each on a tiny product).
+inputs). Either can run an fp32 model's projections in bf16 (``PackedWeight``'s ``compute_dtype``): the
+engine's ``dtype=auto`` does so where the CPU multiplies bf16 natively (``cpu_has_native_bf16``). MKL's packed
+sgemm is not offered: torch packs it for one row count and falls back to the plain call for any other, and a
+step's row count changes every step. A path this build or this CPU cannot run for a dtype is not offered
+(``supported_paths`` tries each on a tiny product).
 """
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,20 +39,59 @@ class GemmPath(StrEnum):
 
 class PackedWeight:
     """A weight (``[out, in]``) and bias prepared once for ``path``; calling it computes ``x Wᵀ + b`` for a 2-D
-    ``x`` of the weight's dtype. The dense ``weight`` is kept as the module's parameter (what the model's
-    state and its shapes are read from), so a packed path holds the projection weights twice."""
+    ``x`` of the weight's dtype. With a ``compute_dtype`` other than the weight's (bf16 for an fp32 model), the
+    weight is held in ``compute_dtype``, ``x`` is rounded to it on entry, the product accumulates in fp32 and
+    comes back in ``x``'s dtype, and the bias is added in ``x``'s dtype. The dense ``weight`` stays the module's
+    parameter (what the model's state and shapes are read from), so a packed or converted path holds the
+    projection weights twice."""
 
-    __slots__ = ("path", "weight", "bias", "_packed")
+    __slots__ = ("path", "weight", "bias", "compute_dtype", "_packed")
 
-    def __init__(self, path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.path, self.weight, self.bias = path, weight, bias
+    def __init__(
+        self, path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        self.path, self.bias = path, bias
+        self.compute_dtype = compute_dtype or weight.dtype
+        self.weight = weight.to(self.compute_dtype)
         packed = path is GemmPath.ONEDNN_PACKED
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight) if packed else None
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight) if packed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype != x.dtype:
+            y = self._product(x.to(self.compute_dtype), None).to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.path is GemmPath.ONEDNN_PACKED:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of bf16 dot-product instructions
+
+
+def cpu_signature() -> str:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in wanted and key not in found:
+            found[key] = value.strip()
+    return " | ".join(found.get(key, "") for key in wanted)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which oneDNN uses for bf16
+    products; without them a bf16 product is emulated and slower than fp32."""
+    flags = cpu_signature().partition(" | ")[2].split()
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
 def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:

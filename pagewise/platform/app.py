@@ -111,13 +111,14 @@ async def build_transport(
 
 def engine_summary(engine: AsyncLLMEngine) -> str:
     """One line for an operator: what is served, in which dtype and on what, with how much KV cache."""
-    config, limits = engine.config, engine.limits
+    config, limits, stats = engine.config, engine.limits, engine.stats()
     blocks = engine.num_blocks
+    precision = ", ".join(f"{part} {dtype}" for part, dtype in stats["precision"].items())
     return (
-        f"pagewise: serving {engine.model_name} ({config.dtype} on {config.device}), max_model_len "
+        f"pagewise: serving {engine.model_name} (dtype {config.dtype}: {precision}; on {config.device}), max_model_len "
         f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "
         f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling, matmul path "
-        f"{engine.stats().get('gemm_path')}"
+        f"{stats['gemm_path']}"
     )
 
 

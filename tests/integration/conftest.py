@@ -138,7 +138,8 @@ def llm_engine() -> Iterator[AsyncLLMEngine]:
     """The real default model, loaded once per session and shared by every app under test."""
     from pagewise.engine.config import EngineConfig
 
-    config = EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, scheduling_policy="fair")  # as served
+    # as served (in fp32: the served tests compare outputs with the exact path's)
+    config = EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, scheduling_policy="fair", dtype="float32")
     engine = AsyncLLMEngine(config, progress=False)
     yield engine
     engine.shutdown()

@@ -50,7 +50,7 @@ def test_every_name_follows_the_scheme_and_histograms_are_declared_without_an_en
 
 def test_engine_histograms_are_the_engine_counts_at_scrape_time(tiny_model) -> None:
     path, _ = tiny_model("telemetry-llama")
-    llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, progress=False)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, progress=False, dtype="float32")
     metrics = PlatformMetrics(llm.stats, "tiny")
     before = _families(metrics)
     assert all(s.value == 0 for n in ENGINE_HISTOGRAMS for s in before[n].samples)

@@ -31,17 +31,19 @@ class AttentionMetadata:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product runs on a chosen matmul path (``pagewise.kernels.gemm``): ``torch`` until
-    ``use_gemm_path``, which prepares the weight as it is then — so it is called once the weights are loaded and
-    on their device, and the weight is not changed afterwards."""
+    """``nn.Linear`` whose product runs on a chosen matmul path (``pagewise.kernels.gemm``), in a chosen dtype:
+    ``torch`` in the weight's dtype until ``use_gemm_path``, which prepares the weight as it is then — so it is
+    called once the weights are loaded and on their device, and the weight is not changed afterwards."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._gemm: PackedWeight | None = None
 
-    def use_gemm_path(self, path: GemmPath) -> None:
+    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
+        """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's)."""
         bias = None if self.bias is None else self.bias.detach()
-        self._gemm = None if path is GemmPath.TORCH else PackedWeight(path, self.weight.detach(), bias)
+        plain = path is GemmPath.TORCH and compute_dtype in (None, self.weight.dtype)
+        self._gemm = None if plain else PackedWeight(path, self.weight.detach(), bias, compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) if self._gemm is None else self._gemm(x)
@@ -179,11 +181,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
         return self.norm(hidden)
 
-    def use_gemm_path(self, path: GemmPath) -> None:
-        """Run every projection, the LM head included, on ``path`` (see ``Linear.use_gemm_path``)."""
+    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
+        """Run every projection, the LM head included, on ``path`` in ``compute_dtype`` (see
+        ``Linear.use_gemm_path``)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_gemm_path(path)
+                module.use_gemm_path(path, compute_dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

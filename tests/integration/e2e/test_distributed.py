@@ -157,7 +157,7 @@ async def test_two_workers_one_killed_mid_flight(stack: dict[str, Any]) -> None:
     from pagewise.engine.llm import LLM
     from pagewise.engine.sampling_params import SamplingParams
 
-    llm = LLM(str(stack["model"]), max_model_len=MAX_MODEL_LEN, progress=False)
+    llm = LLM(str(stack["model"]), max_model_len=MAX_MODEL_LEN, progress=False, dtype="float32")
     keyed = sorted({(i["prompt"], i["max_tokens"]) for i in plan if i["mode"] != "cancel"})
     outputs = [
         llm.generate([p], SamplingParams(max_tokens=m, temperature=0), use_tqdm=False)[0].outputs[0].text

@@ -71,7 +71,9 @@ async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncCl
     from pagewise.engine.config import EngineConfig
 
     engine = AsyncLLMEngine(
-        EngineConfig(model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20),
+        EngineConfig(
+            model=TEST_MODEL, max_model_len=TEST_MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20, dtype="float32"
+        ),
         progress=False,
     )
 

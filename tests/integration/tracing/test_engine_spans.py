@@ -50,7 +50,7 @@ def llm_engine(request: pytest.FixtureRequest, tiny_model: Callable) -> Iterator
         kv_cache_memory_bytes=NUM_BLOCKS * per_block,
         max_num_batched_tokens=BUDGET,
         max_model_len=128,
-        preemption_mode=request.param,
+        preemption_mode=request.param, dtype="float32"
     )
     engine = AsyncLLMEngine(config, progress=False)
     yield engine

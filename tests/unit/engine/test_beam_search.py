@@ -96,7 +96,7 @@ def make_llm(path: Path, model: torch.nn.Module, **kwargs) -> LLM:
         torch.float32,
     )
     kwargs.setdefault("kv_cache_memory_bytes", NUM_BLOCKS * per_block)
-    return LLM(str(path), block_size=BLOCK, progress=False, **kwargs)
+    return LLM(str(path), block_size=BLOCK, progress=False, **({"dtype": "float32"} | kwargs))
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ def test_a_killed_child_fails_every_stream_settles_usage_and_calls_on_dead(confi
 
 
 def test_a_load_that_fails_in_the_child_raises_its_error_here(config) -> None:
-    too_small = EngineConfig(model=config.model, block_size=BLOCK, kv_cache_memory_bytes=1)
+    too_small = EngineConfig(model=config.model, block_size=BLOCK, kv_cache_memory_bytes=1, dtype="float32")
     with pytest.raises(InvalidConfigError, match="kv_cache_memory_bytes=1 is too small"):
         AsyncLLMEngine(too_small, progress=False, process=True)
 

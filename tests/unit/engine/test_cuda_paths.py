@@ -82,11 +82,11 @@ def test_swap_preemption_on_cuda_keeps_greedy_outputs(tiny) -> None:
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 17, 30, 5, 12)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     roomy = LLM(str(path), device="cuda", block_size=BLOCK, kv_cache_memory_bytes=256 * _per_block(model),
-                progress=False)
+                progress=False, dtype="float32")
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     del roomy
     tight = LLM(str(path), device="cuda", block_size=BLOCK, kv_cache_memory_bytes=12 * _per_block(model),
-                swap_space_bytes=64 * _per_block(model), preemption_mode="swap", progress=False)
+                swap_space_bytes=64 * _per_block(model), preemption_mode="swap", progress=False, dtype="float32")
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.stats()["num_swapped_out_blocks"] > 0
     assert got == want
@@ -104,7 +104,7 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory(tiny) -> None:
     path, model = tiny
     total = torch.cuda.mem_get_info()[1]
     warm = LLM(str(path), device="cuda", block_size=BLOCK, kv_cache_memory_bytes=64 * _per_block(model),
-               progress=False)  # CUDA libraries and kernels load once per process: not in either measurement
+               progress=False, dtype="float32")  # CUDA libraries and kernels load once per process: not measured
     warm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     del warm
     kv_bytes = []
@@ -112,13 +112,19 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory(tiny) -> None:
         _fresh_device()
         free_before = torch.cuda.mem_get_info()[0]
         # Enough sequences that the measured budget, not the "useful blocks" cap, sizes the cache.
-        llm = LLM(str(path), device="cuda", block_size=BLOCK, gpu_memory_utilization=share / total,
-                  max_num_seqs=16384, progress=False)
+        llm = LLM(
+            str(path),
+            device="cuda",
+            block_size=BLOCK,
+            gpu_memory_utilization=share / total,
+            max_num_seqs=16384,
+            progress=False,
+            dtype="float32",
+        )
         assert free_before - torch.cuda.mem_get_info()[0] <= share
         assert llm.engine.num_blocks < 16384 * (512 // BLOCK)
         kv_bytes.append(llm.engine.num_blocks * _per_block(model))
-        (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                              use_tqdm=False)
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4
         del llm
     assert abs((kv_bytes[1] - kv_bytes[0]) - GIB) < 0.05 * GIB
@@ -129,5 +135,5 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory(tiny) -> None:
 def test_gpu_memory_utilization_too_small_for_the_weights(tiny) -> None:
     _fresh_device()
     with pytest.raises(InvalidConfigError, match="already take"):
-        LLM(str(tiny[0]), device="cuda", block_size=BLOCK, gpu_memory_utilization=1e-6, progress=False)
+        LLM(str(tiny[0]), device="cuda", block_size=BLOCK, gpu_memory_utilization=1e-6, progress=False, dtype="float32")
     _fresh_device()

@@ -39,7 +39,7 @@ def make_llm(tiny):
 
     def make(blocks: int = 64, swap_blocks: int = 0, **engine_args) -> LLM:
         return LLM(str(tiny[0]), block_size=BLOCK, kv_cache_memory_bytes=blocks * per_block,
-                   swap_space_bytes=swap_blocks * per_block, progress=False, **engine_args)
+                   swap_space_bytes=swap_blocks * per_block, progress=False, **({"dtype": "float32"} | engine_args))
 
     return make
 

@@ -81,7 +81,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_hf(oracle, variant: str) -> None:
     path, _, expected = oracle(variant)
-    llm = LLM(str(path), block_size=BLOCK, progress=False)
+    llm = LLM(str(path), block_size=BLOCK, progress=False, dtype="float32")
     assert greedy(llm, prompts()) == expected
     assert_all_blocks_free(llm)
 
@@ -95,7 +95,7 @@ def test_greedy_matches_hf_under_preemption(oracle, variant: str) -> None:
         cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, head_dim, torch.float32
     )
     # 20 blocks hold the longest request (100 + 12 tokens = 14 blocks) but not the whole batch at once.
-    llm = LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, progress=False)
+    llm = LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, progress=False, dtype="float32")
     assert greedy(llm, prompts()) == expected
     assert llm.stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
@@ -113,7 +113,7 @@ def test_greedy_matches_hf_under_fair_scheduling(oracle, variant: str) -> None:
     )
     llm = LLM(
         str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, scheduling_policy="fair",
-        max_num_batched_tokens=16, progress=False,
+        max_num_batched_tokens=16, progress=False, dtype="float32"
     )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -133,6 +133,6 @@ def test_greedy_matches_hf_on_every_gemm_path(oracle, variant: str, gemm_path: G
     """Every matmul path this machine offers, forced, gives HF's tokens (the bias variant covers a packed
     projection with a bias)."""
     path, _, expected = oracle(variant)
-    llm = LLM(str(path), block_size=BLOCK, gemm_path=gemm_path.value, progress=False)
+    llm = LLM(str(path), block_size=BLOCK, gemm_path=gemm_path.value, progress=False, dtype="float32")
     assert llm.stats()["gemm_path"] == gemm_path.value
     assert greedy(llm, prompts()) == expected

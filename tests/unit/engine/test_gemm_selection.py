@@ -35,7 +35,7 @@ def test_weight_shapes_are_one_forwards_projections() -> None:
 
 def test_an_unknown_path_is_a_config_error() -> None:
     with pytest.raises(InvalidConfigError, match="gemm_path must be one of"):
-        EngineConfig(gemm_path="mkl-fast")
+        EngineConfig(gemm_path="mkl-fast", dtype="float32")
 
 
 @pytest.mark.parametrize("path", supported_paths(CPU, torch.float32))

@@ -67,7 +67,7 @@ def per_block(tiny) -> int:
 def make_llm(tiny, per_block):
     def make(blocks: int = NUM_BLOCKS, swap_blocks: int = 0, **engine_args) -> LLM:
         return LLM(str(tiny[0]), block_size=BLOCK, kv_cache_memory_bytes=blocks * per_block,
-                   swap_space_bytes=swap_blocks * per_block, progress=False, **engine_args)
+                   swap_space_bytes=swap_blocks * per_block, progress=False, **({"dtype": "float32"} | engine_args))
 
     return make
 

@@ -24,7 +24,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(progress=False)
+    return LLM(progress=False, dtype="float32")
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:

@@ -45,7 +45,7 @@ def make_engine(tiny_model):
 
     def make(blocks: int = 256, swap_blocks: int = 0, **engine_args) -> LLMEngine:
         llm = LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=blocks * per_block,
-                  swap_space_bytes=swap_blocks * per_block, progress=False, **engine_args)
+                  swap_space_bytes=swap_blocks * per_block, progress=False, **({"dtype": "float32"} | engine_args))
         return llm.engine
 
     return make

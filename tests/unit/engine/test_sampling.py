@@ -38,7 +38,13 @@ def _per_block(model) -> int:
 
 
 def _llm(path, model) -> LLM:
-    return LLM(str(path), block_size=BLOCK, kv_cache_memory_bytes=NUM_BLOCKS * _per_block(model), progress=False)
+    return LLM(
+        str(path),
+        block_size=BLOCK,
+        kv_cache_memory_bytes=NUM_BLOCKS * _per_block(model),
+        progress=False,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +59,15 @@ def llm(tiny) -> LLM:
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_log_softmax(model, tokens: list[int], start: int) -> torch.Tensor:
@@ -65,9 +77,16 @@ def hf_log_softmax(model, tokens: list[int], start: int) -> torch.Tensor:
     return torch.log_softmax(logits[start - 1 : len(tokens) - 1], dim=-1)
 
 
-def hf_penalized_greedy(model, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
-                        repetition: float = 1.0, bias: dict[int, float] | None = None,
-                        banned: frozenset[int] = frozenset()) -> list[int]:
+def hf_penalized_greedy(
+    model,
+    prompt: list[int],
+    n: int,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    bias: dict[int, float] | None = None,
+    banned: frozenset[int] = frozenset(),
+) -> list[int]:
     """vLLM's logits processing, then argmax: ``logit_bias`` added; ``banned`` tokens masked (as ``min_tokens``
     masks stop tokens); repetition over prompt + output (positive logits divided, negative multiplied); then over
     the output ``logit -= frequency * count + presence * (count > 0)`` (OpenAI's penalties)."""
@@ -105,20 +124,25 @@ def greedy_p1(tiny) -> list[int]:
 
 
 def seeded(seed: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=kw.pop("temperature", 1.0), seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True,
-                          **kw)
+    return SamplingParams(
+        temperature=kw.pop("temperature", 1.0), seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True, **kw
+    )
 
 
 def test_seeded_sampling_is_reproducible_across_calls_and_batches(llm) -> None:
     (first,) = tokens(llm, [P1], seeded(1234))
     assert len(first) == MAX_TOKENS
     assert tokens(llm, [P1], seeded(1234)) == [first]
-    batch = tokens(llm, [P2, P1, P3, P1], [
-        SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),  # unseeded: uses the engine generator
-        seeded(1234),
-        seeded(99, temperature=0.7),
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-    ])
+    batch = tokens(
+        llm,
+        [P2, P1, P3, P1],
+        [
+            SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),  # unseeded: uses the engine generator
+            seeded(1234),
+            seeded(99, temperature=0.7),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        ],
+    )
     assert batch[1] == first
     # Again after the engine generator has advanced, alone, with a different prompt ahead of it in the batch.
     assert tokens(llm, [P3, P1], [seeded(7), seeded(1234)])[1] == first
@@ -180,8 +204,9 @@ def flat(tiny_model):
 )
 def test_penalties_match_reference(flat, presence, frequency) -> None:
     llm, model = flat
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=presence,
-                            frequency_penalty=frequency)
+    params = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+    )
     assert tokens(llm, [P2], params)[0] == hf_penalized_greedy(model, P2, 10, presence, frequency)
 
 
@@ -202,8 +227,9 @@ def test_max_penalty_prevents_repeats(flat, kwargs) -> None:
 @pytest.mark.parametrize("repetition", [1.5, 0.7, 3.0])
 def test_repetition_penalty_matches_reference(flat, repetition) -> None:
     llm, model = flat
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=repetition,
-                            frequency_penalty=0.3)
+    params = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=repetition, frequency_penalty=0.3
+    )
     assert tokens(llm, [P2], params)[0] == hf_penalized_greedy(model, P2, 10, 0.0, 0.3, repetition)
 
 
@@ -213,8 +239,9 @@ def test_logit_bias_matches_reference(llm, tiny, greedy_p1) -> None:
     assert tokens(llm, [P1], params)[0] == hf_penalized_greedy(tiny[1], P1, MAX_TOKENS, bias=bias)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(temperature=1.5, seed=4), dict(temperature=1.0)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=0), dict(temperature=1.5, seed=4), dict(temperature=1.0)], ids=repr
+)
 def test_logit_bias_of_100_forces_a_token(llm, kwargs) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={4242: 100}, **kwargs)
     assert tokens(llm, [P1], params)[0] == [4242] * MAX_TOKENS
@@ -224,11 +251,15 @@ def test_new_processing_keeps_rows_independent(llm) -> None:
     """A seeded row with bias, penalties and min_tokens samples the same tokens alone and in a mixed batch."""
     mine = seeded(77, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={11: 3.0, 12: -3.0}, min_tokens=4)
     (alone,) = tokens(llm, [P1], mine)
-    batch = tokens(llm, [P2, P1, P3], [
-        SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logit_bias={5: 50.0}),
-        mine,
-        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.0),
-    ])
+    batch = tokens(
+        llm,
+        [P2, P1, P3],
+        [
+            SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logit_bias={5: 50.0}),
+            mine,
+            SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.0),
+        ],
+    )
     assert batch[1] == alone
 
 
@@ -277,20 +308,23 @@ def test_stop_token_ids(llm, greedy_p1) -> None:
     assert completion.token_ids == greedy_p1[: k + 1]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     # ignore_eos does not disable stop_token_ids
-    (out,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
-                                           ignore_eos=True))
+    (out,) = run(
+        llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], ignore_eos=True)
+    )
     assert out.outputs[0].token_ids == greedy_p1[: k + 1]
 
 
 def test_stop_token_text_is_left_out_unless_included(llm, greedy_p1) -> None:
     k = _first_new_index(greedy_p1)
     stop = greedy_p1[k]
-    before, through = (run(llm, [P1], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].outputs[0]
-                       for m in (k, k + 1))
+    before, through = (
+        run(llm, [P1], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].outputs[0] for m in (k, k + 1)
+    )
     assert through.text != before.text, "test set-up: the stop token has text"
     for include, want in ((False, before.text), (True, through.text)):
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
-                                include_stop_str_in_output=include)
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], include_stop_str_in_output=include
+        )
         (out,) = run(llm, [P1], params)
         assert out.outputs[0].token_ids == greedy_p1[: k + 1]  # the id stays, as in vLLM
         assert out.outputs[0].text == want
@@ -330,8 +364,11 @@ def test_min_tokens_delays_eos(eos_llm, tiny, greedy_p1) -> None:
     assert eos not in completion.token_ids and completion.finish_reason == "length"
     # Sampled too: whatever the seed, EOS never comes before min_tokens outputs.
     for seed in range(4):
-        (out,) = run(llm, [P1], SamplingParams(temperature=1.5, seed=seed, max_tokens=MAX_TOKENS, min_tokens=5,
-                                               logit_bias={eos: 5.0}))
+        (out,) = run(
+            llm,
+            [P1],
+            SamplingParams(temperature=1.5, seed=seed, max_tokens=MAX_TOKENS, min_tokens=5, logit_bias={eos: 5.0}),
+        )
         ids = out.outputs[0].token_ids
         assert eos not in ids[:5] and len(ids) >= 6
 
@@ -353,8 +390,9 @@ def test_min_tokens_defers_stop_strings(llm, greedy_p1) -> None:
     assert text.count(stop) == 1, "test set-up: a stop string that occurs once, at the start"
     (cut,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop]))
     assert (cut.outputs[0].text, cut.outputs[0].finish_reason) == ("", "stop")
-    (late,) = run(llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
-                                            min_tokens=2))
+    (late,) = run(
+        llm, [P1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], min_tokens=2)
+    )
     assert (late.outputs[0].text, late.outputs[0].finish_reason) == (text, "length")
 
 
@@ -371,8 +409,9 @@ def test_stop_string_cuts_text(llm, greedy_p1) -> None:
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert completion.token_ids == greedy_p1[: len(completion.token_ids)]
     assert len(completion.token_ids) < MAX_TOKENS or text.find(stop) + len(stop) > len(text) - 3
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
-                            include_stop_str_in_output=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
     (kept,) = run(llm, [P1], params)
     assert kept.outputs[0].text == text[: text.find(stop) + len(stop)]
     assert kept.outputs[0].token_ids == completion.token_ids
@@ -398,15 +437,15 @@ def test_greedy_logprobs_equal_hf_log_softmax(llm, tiny, greedy_p1) -> None:
         hf_values, hf_ids = reference[step].topk(5)
         assert ids == hf_ids.tolist()
         assert values == pytest.approx(hf_values.tolist(), abs=1e-4)
-        assert all(e.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
-                   for t, e in entries.items())
+        assert all(e.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False) for t, e in entries.items())
 
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_sampled_logprobs_carry_the_sampled_token_and_its_rank(llm, tiny, k) -> None:
     _, model = tiny
-    (out,) = run(llm, [P1], SamplingParams(temperature=1.5, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                           logprobs=k))
+    (out,) = run(
+        llm, [P1], SamplingParams(temperature=1.5, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=k)
+    )
     completion = out.outputs[0]
     reference = hf_log_softmax(model, P1 + completion.token_ids, len(P1))
     for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
@@ -463,8 +502,9 @@ PROBS = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
 def test_batched_draws_follow_the_distribution(kwargs, expected) -> None:
     n = 20000
     params = SamplingParams(**{"temperature": 1.0, **kwargs})
-    counts = torch.bincount(torch.tensor(_draws(_sampler(), PROBS.log().expand(n, -1), [_request(params)] * n)),
-                            minlength=len(PROBS))
+    counts = torch.bincount(
+        torch.tensor(_draws(_sampler(), PROBS.log().expand(n, -1), [_request(params)] * n)), minlength=len(PROBS)
+    )
     want = torch.tensor(expected) / sum(expected)
     assert (counts / n - want).abs().max() < 0.02
     assert (counts[want == 0] == 0).all()
@@ -477,13 +517,22 @@ def test_a_seeded_row_draws_the_same_alone_or_batched_ties_included() -> None:
     mine_logits = torch.randn(64) * 0.5
     mine_logits[[5, 9, 17, 30]] = torch.tensor([4.0, 3.0, 3.0, 3.0])  # top-3 cuts inside a three-way tie
     mine = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
-    others = [SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.3, top_p=0.5),
-              SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_k=3)]
+    others = [
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.9, top_k=3),
+    ]
     logits = torch.cat([torch.randn(2, 64), mine_logits[None], torch.randn(2, 64)])
     for seed in range(30):
         (alone,) = _draws(_sampler(), mine_logits[None], [_request(mine, seed)])
-        batch = [_request(others[0]), _request(others[1], 5), _request(mine, seed), _request(others[2]),
-                 _request(others[3], 6)]
+        batch = [
+            _request(others[0]),
+            _request(others[1], 5),
+            _request(mine, seed),
+            _request(others[2]),
+            _request(others[3], 6),
+        ]
         assert _draws(_sampler(seed), logits, batch)[2] == alone
         assert alone in (5, 9, 17, 30)
 

@@ -42,7 +42,7 @@ def config(tiny) -> EngineConfig:
     per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
                                         cfg.hidden_size // cfg.num_attention_heads, torch.float32)
     return EngineConfig(model=str(tiny[0]), block_size=BLOCK, kv_cache_memory_bytes=128 * per_block,
-                        max_num_batched_tokens=CHUNK, max_num_seqs=8)
+                        max_num_batched_tokens=CHUNK, max_num_seqs=8, dtype="float32")
 
 
 def make_llm(config: EngineConfig, **overrides) -> LLM:

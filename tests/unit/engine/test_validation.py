@@ -46,7 +46,7 @@ def per_block(tiny_model) -> int:
 @pytest.fixture(scope="module")
 def llm(model_path, per_block) -> LLM:
     return LLM(model_path, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=NUM_BLOCKS * per_block,
-               max_num_seqs=MAX_NUM_SEQS, progress=False)
+               max_num_seqs=MAX_NUM_SEQS, progress=False, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +265,7 @@ def test_tiny_temperatures_are_greedy(temperature, greedy) -> None:
 
 def test_request_needing_more_kv_than_the_whole_cache(model_path, per_block) -> None:
     llm = LLM(model_path, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=8 * per_block,
-              progress=False)  # 8 blocks = 32 token slots, less than max_model_len
+              progress=False, dtype="float32")  # 8 blocks = 32 token slots, less than max_model_len
     prompt = _prompt(20, 3)
     before = snapshot(llm)
     with pytest.raises(InvalidRequestError, match="needs up to 33 tokens of KV cache but the whole cache holds 32"):
@@ -329,18 +329,21 @@ def test_batch_with_one_bad_prompt_queues_none(llm, good_tokens) -> None:
 def test_unknown_model_path(tmp_path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelNotFoundError, match="no-such-model.* not found"):
-        LLM(str(missing), kv_cache_memory_bytes=1 << 20, progress=False)
+        LLM(str(missing), kv_cache_memory_bytes=1 << 20, progress=False, dtype="float32")
     with pytest.raises(ModelNotFoundError, match="not found"):
         LLM(str(tmp_path), kv_cache_memory_bytes=1 << 20, progress=False)  # a directory without config.json
     with pytest.raises(ModelNotFoundError, match="not found"):
-        LLM("no-such-model-name", kv_cache_memory_bytes=1 << 20, progress=False)
+        LLM("no-such-model-name", kv_cache_memory_bytes=1 << 20, progress=False, dtype="float32")
 
 
 def test_kv_budget_too_small_for_one_block(model_path, per_block) -> None:
-    with pytest.raises(InvalidConfigError, match=f"too small: one block of 4 tokens in all 2 layers needs "
-                                                 f"{per_block:,} bytes"):
-        LLM(model_path, block_size=BLOCK, kv_cache_memory_bytes=per_block - 1, progress=False)
-    llm = LLM(model_path, block_size=BLOCK, kv_cache_memory_bytes=per_block, max_model_len=4, progress=False)
+    with pytest.raises(
+        InvalidConfigError, match=f"too small: one block of 4 tokens in all 2 layers needs {per_block:,} bytes"
+    ):
+        LLM(model_path, block_size=BLOCK, kv_cache_memory_bytes=per_block - 1, progress=False, dtype="float32")
+    llm = LLM(
+        model_path, block_size=BLOCK, kv_cache_memory_bytes=per_block, max_model_len=4, progress=False, dtype="float32"
+    )
     assert llm.stats()["kv_blocks_total"] == 1
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
@@ -383,26 +386,39 @@ def test_bad_engine_args(model_path, kwargs, match) -> None:
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_cuda_device_without_cuda(model_path, device) -> None:
     with pytest.raises(InvalidConfigError, match=f"device '{device}' requested but CUDA is not available"):
-        LLM(model_path, device=device, progress=False)
+        LLM(model_path, device=device, progress=False, dtype="float32")
 
 
 def test_max_model_len_beyond_model_context(model_path) -> None:
     with pytest.raises(InvalidConfigError, match="max_model_len 1,024 exceeds the model's context length 512"):
-        LLM(model_path, max_model_len=1024, kv_cache_memory_bytes=1 << 20, progress=False)
+        LLM(model_path, max_model_len=1024, kv_cache_memory_bytes=1 << 20, progress=False, dtype="float32")
 
 
 def test_the_shared_budget_defaults_to_1024_on_cpu_and_never_exceeds_the_budget() -> None:
     assert EngineConfig().resolve_fair_max_num_batched_tokens(2048, 1024) == 1024
     assert EngineConfig().resolve_fair_max_num_batched_tokens(256, 1024) == 256
-    assert EngineConfig(fair_max_num_batched_tokens=4096).resolve_fair_max_num_batched_tokens(2048, 1024) == 2048
-    assert EngineConfig(enable_chunked_prefill=False).resolve_fair_max_num_batched_tokens(2048, 1024) == 2048
+    assert (
+        EngineConfig(fair_max_num_batched_tokens=4096, dtype="float32").resolve_fair_max_num_batched_tokens(2048, 1024)
+        == 2048
+    )
+    assert (
+        EngineConfig(enable_chunked_prefill=False, dtype="float32").resolve_fair_max_num_batched_tokens(2048, 1024)
+        == 2048
+    )
     with pytest.raises(InvalidConfigError, match="fair_max_num_batched_tokens \\(256\\) is smaller than max_model_len"):
-        EngineConfig(fair_max_num_batched_tokens=256, enable_chunked_prefill=False).resolve_fair_max_num_batched_tokens(
-            2048, 1024
-        )
+        EngineConfig(
+            fair_max_num_batched_tokens=256, enable_chunked_prefill=False, dtype="float32"
+        ).resolve_fair_max_num_batched_tokens(2048, 1024)
 
 
 def test_token_budget_below_max_model_len_without_chunked_prefill(model_path) -> None:
     with pytest.raises(InvalidConfigError, match="enable chunked prefill or raise the budget"):
-        LLM(model_path, max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False,
-            kv_cache_memory_bytes=1 << 20, progress=False)
+        LLM(
+            model_path,
+            max_model_len=64,
+            max_num_batched_tokens=32,
+            enable_chunked_prefill=False,
+            kv_cache_memory_bytes=1 << 20,
+            progress=False,
+            dtype="float32",
+        )

@@ -42,6 +42,24 @@ def test_bf16_path_equals_reference_within_bf16_rounding(path: GemmPath) -> None
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("path", supported_paths(torch.device("cpu"), torch.bfloat16))
+def test_an_fp32_weight_computed_in_bf16_is_the_product_of_the_rounded_operands(path: GemmPath, with_bias: bool):
+    """``compute_dtype`` bf16 on fp32 operands: the result (fp32) is the exact product of the bf16-rounded
+    weight and input, to fp32 accumulation, plus the fp32 bias — bf16 rounds the operands, not the sum."""
+    generator = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(96, 256, generator=generator), torch.randn(5, 256, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    got = PackedWeight(path, weight, bias, torch.bfloat16)(x)
+    expected = F.linear(x.bfloat16().double(), weight.bfloat16().double())
+    if bias is not None:
+        expected += bias.double()
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=2e-2)
+    far_from_fp32 = (got.double() - F.linear(x.double(), weight.double())).abs().max()
+    assert far_from_fp32 > 1e-4  # it did round the operands: this is not the fp32 product
+
+
 def timing(torch_s: dict[int, float], other_s: dict[int, float]) -> GemmTiming:
     return GemmTiming({GemmPath.TORCH: torch_s, GemmPath.ONEDNN_PACKED: other_s}, {4: 100, 512: 10_000})
 

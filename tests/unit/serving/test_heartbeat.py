@@ -27,7 +27,7 @@ def test_heartbeat_tenants_waiting(tiny_model, policy: str) -> None:
 
 
 async def _check(path: str, policy: str) -> None:
-    config = EngineConfig(model=path, scheduling_policy=policy, max_num_seqs=1)
+    config = EngineConfig(model=path, scheduling_policy=policy, max_num_seqs=1, dtype="float32")
     engine = AsyncLLMEngine(config, progress=False)
     params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
     tenants = ["flood", "flood", "flood", "quiet"]
