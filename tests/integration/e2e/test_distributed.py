@@ -48,7 +48,8 @@ def stack(tmp_path: Path, tiny_model: Callable, fresh_database: Callable[[str], 
     database_url = fresh_database("postgres")
     upgrade_head(database_url)
     env = {"PAGEWISE_WORKER_HEARTBEAT_S": str(HEARTBEAT_S), "PAGEWISE_QUOTA_LEASE_S": "30"}
-    engine_args = ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN)]
+    # fp32, the exact path: the texts are compared with an in-process engine's
+    engine_args = ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
     with distributed_stack(tmp_path, database_url, engine_args, workers=2, redis_url=REDIS_URL, env=env) as running:
         yield {"api": running.api, "workers": running.workers, "model": model, "database_url": database_url,
                "prefix": running.key_prefix, "logs": tmp_path, "api_env": running.api_env}
