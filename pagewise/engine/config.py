@@ -59,8 +59,8 @@ class EngineConfig:
     - ``gemm_path``: the matmul path of every projection (``pagewise.kernels.gemm``): ``auto`` times the paths
       this machine has on the model's shapes and takes the fastest (cached per CPU kind; see
       ``gemm_selection``), or a path's name forces it.
-    - ``dtype``: ``auto`` (bf16 projections where the CPU multiplies bf16 natively, fp32 elsewhere; see
-      ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
+    - ``dtype``: ``auto`` (bf16 projections and KV cache where the CPU multiplies bf16 natively, fp32 elsewhere;
+      see ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
       greedy outputs equal HF transformers' fp32 token for token.
     """
 
@@ -126,12 +126,14 @@ class EngineConfig:
     def resolve_precision(self) -> Precision:
         """``dtype`` as what each part computes in. A named dtype is used for everything. ``auto`` on a CPU with
         native bf16 products (``cpu_has_native_bf16``) runs the projections in bf16 (weights and inputs; fp32
-        accumulation) and keeps the rest, the KV cache included, in fp32; everywhere else it is fp32 throughout
-        (fp16 is never chosen: CPUs of this kind have no native fp16 arithmetic)."""
+        accumulation) and keeps the KV cache in bf16 (half the bytes attention reads, twice the tokens in the same
+        memory), the rest in fp32 (residual stream, norms, rotary, attention's arithmetic, logits, sampling);
+        everywhere else it is fp32 throughout (fp16 is never chosen: CPUs of this kind have no native fp16
+        arithmetic)."""
         if self.dtype != "auto":
             return Precision.uniform(_DTYPES[self.dtype])
         if not self.device.startswith("cuda") and cpu_has_native_bf16():
-            return Precision(torch.float32, torch.bfloat16, torch.float32)
+            return Precision(torch.float32, torch.bfloat16, torch.bfloat16)
         return Precision.uniform(torch.float32)
 
     def resolve_max_model_len(self, model_context_len: int) -> int:

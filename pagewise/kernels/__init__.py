@@ -1,8 +1,9 @@
 """The engine's compute ops: paged KV-cache ops and a decoder layer's fused ops. One public function per op,
 dispatching on the tensor's device and dtype.
 
-CUDA tensors run the Triton kernels; CPU float32 tensors run the compiled CPU kernels (``cpu_ops``, built by
-``make install``) where they are built, and the torch reference otherwise. ``PAGEWISE_KERNEL_BACKEND=triton|cpu|
+CUDA tensors run the Triton kernels; CPU float32 activations (over a float32 or bfloat16 KV cache) run the
+compiled CPU kernels (``cpu_ops``, built by ``make install``) where they are built, and the torch reference
+otherwise. ``PAGEWISE_KERNEL_BACKEND=triton|cpu|
 torch`` (read at every call) forces one backend, which is how the tests run Triton on CPU under
 ``TRITON_INTERPRET=1`` and compare the compiled kernels with the reference.
 """
@@ -18,9 +19,10 @@ from pagewise.kernels import cpu_ops, reference
 _BACKENDS = ("triton", "cpu", "torch")
 
 
-def backend_for(tensor: torch.Tensor) -> str:
-    """The backend an op on ``tensor`` (a KV cache) runs with: the env override, else Triton on CUDA, the
-    compiled kernels for CPU float32 where they are built, and torch elsewhere."""
+def backend_for(tensor: torch.Tensor, cache: torch.Tensor | None = None) -> str:
+    """The backend an op on activations ``tensor`` (and, for a cache op, ``cache``) runs with: the env override,
+    else Triton on CUDA, the compiled kernels where they handle the dtypes (``cpu_ops.supports``), and torch
+    elsewhere."""
     forced = os.environ.get("PAGEWISE_KERNEL_BACKEND", "").strip().lower()
     if forced:
         if forced not in _BACKENDS:
@@ -33,7 +35,7 @@ def backend_for(tensor: torch.Tensor) -> str:
         return forced
     if tensor.is_cuda:
         return "triton"
-    return "cpu" if cpu_ops.supports(tensor) else "torch"
+    return "cpu" if cpu_ops.supports(tensor, cache) else "torch"
 
 
 def _triton():
@@ -45,25 +47,25 @@ def _triton():
 _IMPLS = {"cpu": cpu_ops, "torch": reference}
 
 
-def _impl(tensor: torch.Tensor):
-    backend = backend_for(tensor)
+def _impl(tensor: torch.Tensor, cache: torch.Tensor):
+    backend = backend_for(tensor, cache)
     return _triton() if backend == "triton" else _IMPLS[backend]
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Write new keys/values into their cache slots (slot -1 skipped). See ``reference.reshape_and_cache``."""
-    _impl(key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _impl(key, key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
     """Causal attention over paged K/V for mixed prefill/decode batches. See ``reference.paged_attention``."""
-    return _impl(key_cache).paged_attention(
+    return _impl(query, key_cache).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
     )
 
 
 def _fused(tensor: torch.Tensor):
-    """The layer ops (no Triton versions): compiled on CPU float32 where built, else the torch reference."""
+    """The layer ops (no Triton versions): compiled for CPU float32 where built, else the torch reference."""
     return cpu_ops if backend_for(tensor) == "cpu" else reference
 
 

@@ -4,9 +4,10 @@ The ops keep ``reference``'s contracts (``rotary_embedding`` rotates its inputs 
 
 ``available()`` loads the library built by ``python -m pagewise.kernels.cpu_build``; if it is missing or fails to
 load, it warns once and answers False, and the CPU path runs the torch reference instead. The compiled ops take
-float32 caches only; ``paged_attention`` runs decode rows (one query token) through the compiled op and prefill
-chunks through the reference's per-sequence attention, so both paths compute the same function as
-``reference.paged_attention`` (to float32 rounding: the compiled op sums in a different order).
+float32 activations and float32 or bfloat16 caches; ``paged_attention`` runs decode rows (one query token)
+through the compiled op and prefill chunks through the reference's per-sequence attention, so both paths compute
+the same function as ``reference.paged_attention`` (to float32 rounding: the compiled op sums in a different
+order).
 """
 
 from __future__ import annotations
@@ -44,9 +45,17 @@ def available() -> bool:
     return True
 
 
-def supports(cache: torch.Tensor) -> bool:
-    """Whether the compiled ops handle a cache like ``cache`` (CPU float32, library loaded)."""
-    return cache.device.type == "cpu" and cache.dtype == torch.float32 and available()
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports(tensor: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
+    """Whether the compiled ops handle activations like ``tensor`` (CPU float32) and, for a cache op, a cache
+    like ``cache`` (CPU float32 or bfloat16), the library being loaded."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        return False
+    if cache is not None and (cache.device.type != "cpu" or cache.dtype not in CACHE_DTYPES):
+        return False
+    return available()
 
 
 def rms_norm(x, weight, eps):

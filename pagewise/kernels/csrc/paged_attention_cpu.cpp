@@ -3,7 +3,9 @@
 //
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
-// Only float32 is compiled; callers fall back to the torch reference for other dtypes.
+// Activations are float32. The KV cache is float32 or bfloat16: a bf16 cache is read as float32 (a bf16 value is
+// the top half of a float32's bits) and written rounded to nearest even, as torch's conversion rounds; the
+// attention itself computes in float32 either way. Callers fall back to the torch reference for other dtypes.
 //
 // The hot loops live in functions built for several instruction sets (GCC `target_clones`): the loader picks the
 // best one the CPU supports at run time, so one build runs on AVX2 and AVX-512 machines alike.
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -22,8 +25,28 @@ namespace {
 
 #define PAGEWISE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
+// A cache element as float32: itself, or a bf16's bits as the top half of a float32's.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t bits) {
+    const uint32_t word = static_cast<uint32_t>(bits) << 16;
+    float x;
+    std::memcpy(&x, &word, sizeof x);
+    return x;
+}
+
+// A float32 stored in a cache element: itself, or rounded to the nearest bf16 (ties to even; no NaNs arise
+// under -ffast-math, and infinities stay infinite).
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, uint16_t* out) {
+    uint32_t word;
+    std::memcpy(&word, &x, sizeof word);
+    word += 0x7FFFu + ((word >> 16) & 1u);
+    *out = static_cast<uint16_t>(word >> 16);
+}
+
 // Rows of one kv head inside one block: `count` (<= block_size) consecutive tokens of a block are contiguous.
-inline const float* block_rows(const float* cache, const int32_t* table, int64_t t, int64_t block_stride,
+template <typename T>
+inline const T* block_rows(const T* cache, const int32_t* table, int64_t t, int64_t block_stride,
                                int64_t head_offset, int64_t block_size, int64_t head_dim) {
     return cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
 }
@@ -31,40 +54,42 @@ inline const float* block_rows(const float* cache, const int32_t* table, int64_t
 // One (sequence, kv head) unit of decode attention: the `group` query heads that share kv head `kv_head` attend
 // over the sequence's first `context_len` cached tokens. `scores` holds group * context_len floats. Tokens go
 // four at a time inside a block, so each query row keeps four independent accumulators (scores) and each output
-// row is loaded and stored once per four value rows.
-PAGEWISE_CLONES
-void attend_unit(const float* queries, const float* key_cache, const float* value_cache, const int32_t* table,
-                 int64_t context_len, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                 int64_t group, float scale, float* scores, float* out) {
+// row is loaded and stored once per four value rows. `T` is the cache's element (float, or uint16_t for bf16);
+// the body is inlined into one function per element type, each built for several instruction sets.
+template <typename T>
+inline __attribute__((always_inline)) void attend_body(const float* queries, const T* key_cache, const T* value_cache,
+                                                       const int32_t* table, int64_t context_len, int64_t kv_head,
+                                                       int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                                                       int64_t group, float scale, float* scores, float* out) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t head_offset = kv_head * block_size * head_dim;
     for (int64_t t = 0; t < context_len;) {
-        const float* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const T* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);  // contiguous rows from t
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
-            const float *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+            const T *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float* q = queries + g * head_dim;
                 float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    a0 += q[d] * k0[d];
-                    a1 += q[d] * k1[d];
-                    a2 += q[d] * k2[d];
-                    a3 += q[d] * k3[d];
+                    a0 += q[d] * widen(k0[d]);
+                    a1 += q[d] * widen(k1[d]);
+                    a2 += q[d] * widen(k2[d]);
+                    a3 += q[d] * widen(k3[d]);
                 }
                 float* row = scores + g * context_len + t + i;
                 row[0] = a0 * scale, row[1] = a1 * scale, row[2] = a2 * scale, row[3] = a3 * scale;
             }
         }
         for (; i < run; ++i) {
-            const float* k0 = k + i * head_dim;
+            const T* k0 = k + i * head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float* q = queries + g * head_dim;
                 float a0 = 0.f;
 #pragma omp simd reduction(+ : a0)
-                for (int64_t d = 0; d < head_dim; ++d) a0 += q[d] * k0[d];
+                for (int64_t d = 0; d < head_dim; ++d) a0 += q[d] * widen(k0[d]);
                 scores[g * context_len + t + i] = a0 * scale;
             }
         }
@@ -85,43 +110,70 @@ void attend_unit(const float* queries, const float* key_cache, const float* valu
         std::fill(o, o + head_dim, 0.f);
     }
     for (int64_t t = 0; t < context_len;) {
-        const float* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const T* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
-            const float *v0 = v + i * head_dim, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+            const T *v0 = v + i * head_dim, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float* p = scores + g * context_len + t + i;
                 const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
                 float* o = out + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                for (int64_t d = 0; d < head_dim; ++d)
+                    o[d] += p0 * widen(v0[d]) + p1 * widen(v1[d]) + p2 * widen(v2[d]) + p3 * widen(v3[d]);
             }
         }
         for (; i < run; ++i) {
-            const float* v0 = v + i * head_dim;
+            const T* v0 = v + i * head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float p0 = scores[g * context_len + t + i];
                 float* o = out + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * v0[d];
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * widen(v0[d]);
             }
         }
         t += run;
     }
 }
 
-void check_cache(const at::Tensor& cache, const char* name) {
-    TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat && cache.dim() == 4 &&
-                    cache.is_contiguous(),
-                name, " must be a contiguous float32 CPU tensor [num_blocks, num_kv_heads, block_size, head_dim]");
+PAGEWISE_CLONES
+void attend_unit(const float* queries, const float* key_cache, const float* value_cache, const int32_t* table,
+                 int64_t context_len, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                 int64_t group, float scale, float* scores, float* out) {
+    attend_body(queries, key_cache, value_cache, table, context_len, kv_head, num_kv_heads, block_size, head_dim,
+                group, scale, scores, out);
+}
+
+PAGEWISE_CLONES
+void attend_unit(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table,
+                 int64_t context_len, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                 int64_t group, float scale, float* scores, float* out) {
+    attend_body(queries, key_cache, value_cache, table, context_len, kv_head, num_kv_heads, block_size, head_dim,
+                group, scale, scores, out);
+}
+
+// A cache's elements as `T` (float for a float32 cache, uint16_t for a bf16 one).
+template <typename T>
+T* elements(const at::Tensor& cache) {
+    return reinterpret_cast<T*>(cache.data_ptr());
+}
+
+void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+    for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+        TORCH_CHECK(cache->device().is_cpu() && cache->dim() == 4 && cache->is_contiguous() &&
+                        (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kBFloat16),
+                    "KV caches must be contiguous float32 or bfloat16 CPU tensors "
+                    "[num_blocks, num_kv_heads, block_size, head_dim]");
+    }
+    TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && key_cache.sizes() == value_cache.sizes(),
+                "key and value caches differ in dtype or shape");
 }
 
 // query [num_seqs, num_heads, head_dim]: one token per sequence, at position seq_lens[s] - 1 (already cached).
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-    check_cache(key_cache, "key_cache");
-    check_cache(value_cache, "value_cache");
+    check_caches(key_cache, value_cache);
     TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query must be float32 [seqs, heads, dim]");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 2-D");
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
@@ -139,28 +191,51 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     }
     auto out = at::empty_like(q);
     const float* q_ptr = q.data_ptr<float>();
-    const float* k_ptr = key_cache.data_ptr<float>();
-    const float* v_ptr = value_cache.data_ptr<float>();
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(group * longest);
-        for (int64_t unit = begin; unit < end; ++unit) {
-            const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
-            const int64_t row = (s * num_heads + h * group) * head_dim;
-            attend_unit(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
-                        block_size, head_dim, group, static_cast<float>(scale), scores.data(), out_ptr + row);
-        }
-    });
+    auto attend_all = [&](const auto* k_ptr, const auto* v_ptr) {
+        at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scores(group * longest);
+            for (int64_t unit = begin; unit < end; ++unit) {
+                const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
+                const int64_t row = (s * num_heads + h * group) * head_dim;
+                attend_unit(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
+                            block_size, head_dim, group, static_cast<float>(scale), scores.data(), out_ptr + row);
+            }
+        });
+    };
+    if (key_cache.scalar_type() == at::kBFloat16) {
+        attend_all(elements<const uint16_t>(key_cache), elements<const uint16_t>(value_cache));
+    } else {
+        attend_all(elements<const float>(key_cache), elements<const float>(value_cache));
+    }
     return out;
+}
+
+// Token i's key and value rows of every kv head into slot `slots[i]` of caches of element `T`; slot -1 skipped.
+template <typename T>
+void write_slots(const float* src_k, const float* src_v, const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads,
+                 int64_t block_size, int64_t head_dim, T* dst_k, T* dst_v) {
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
+            const int64_t src = (i * num_kv_heads + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                narrow(src_k[src + d], dst_k + dst + d);
+                narrow(src_v[src + d], dst_v + dst + d);
+            }
+        }
+    }
 }
 
 // key/value [num_tokens, num_kv_heads, head_dim] into their slots; slot -1 is skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
-    check_cache(key_cache, "key_cache");
-    check_cache(value_cache, "value_cache");
+    check_caches(key_cache, value_cache);
     TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key/value must be float32");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
     const auto k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
@@ -174,18 +249,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     }
     const float* src_k = k.data_ptr<float>();
     const float* src_v = v.data_ptr<float>();
-    float* dst_k = key_cache.data_ptr<float>();
-    float* dst_v = value_cache.data_ptr<float>();
-    for (int64_t i = 0; i < num_tokens; ++i) {
-        const int64_t slot = slot_ptr[i];
-        if (slot < 0) continue;
-        const int64_t block = slot / block_size, offset = slot % block_size;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
-            const int64_t src = (i * num_kv_heads + h) * head_dim;
-            std::copy(src_k + src, src_k + src + head_dim, dst_k + dst);
-            std::copy(src_v + src, src_v + src + head_dim, dst_v + dst);
-        }
+    if (key_cache.scalar_type() == at::kBFloat16) {
+        write_slots(src_k, src_v, slot_ptr, num_tokens, num_kv_heads, block_size, head_dim,
+                    elements<uint16_t>(key_cache), elements<uint16_t>(value_cache));
+    } else {
+        write_slots(src_k, src_v, slot_ptr, num_tokens, num_kv_heads, block_size, head_dim,
+                    elements<float>(key_cache), elements<float>(value_cache));
     }
 }
 

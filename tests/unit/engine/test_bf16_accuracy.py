@@ -1,5 +1,5 @@
-"""``dtype=auto`` where the CPU multiplies bf16 natively: the projections in bf16, the rest in fp32. Held to HF
-transformers run in bf16 on the same prompts by vLLM's ``check_logprobs_close`` rule: up to the first position
+"""``dtype=auto`` where the CPU multiplies bf16 natively: projections and KV cache in bf16, the rest in fp32. Held
+to HF transformers run in bf16 on the same prompts by vLLM's ``check_logprobs_close`` rule: up to the first position
 where the two greedy sequences differ they are equal, and there each one's token is among the other's top-5
 log-probabilities (after it the sequences have diverged and are not compared). The CPU's capability is
 patched in, so the bf16 path runs — emulated where the CPU lacks bf16 instructions — on every machine; tiny
@@ -32,7 +32,7 @@ def native_bf16(monkeypatch):
 
 def test_auto_is_bf16_projections_only_where_the_cpu_has_them(monkeypatch) -> None:
     monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: True)
-    assert EngineConfig().resolve_precision() == Precision(torch.float32, torch.bfloat16, torch.float32)
+    assert EngineConfig().resolve_precision() == Precision(torch.float32, torch.bfloat16, torch.bfloat16)
     monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: False)
     assert EngineConfig().resolve_precision() == Precision.uniform(torch.float32)
     assert EngineConfig(dtype="bfloat16").resolve_precision() == Precision.uniform(torch.bfloat16)
@@ -106,7 +106,7 @@ def tiny_bf16(tiny_model):
     path, model = tiny_model("bf16-llama-gqa", num_attention_heads=4, num_key_value_heads=2)
     reference = copy.deepcopy(model).to(torch.bfloat16).eval()
     expected = [hf_scored(reference, p, MAX_TOKENS) for p in tiny_prompts()]
-    per_block = KVCache.bytes_per_block(2, BLOCK, 2, 16, torch.float32)
+    per_block = KVCache.bytes_per_block(2, BLOCK, 2, 16, torch.bfloat16)
     return path, expected, per_block
 
 
@@ -126,7 +126,7 @@ def test_tiny_model_in_bf16_is_close_to_hf_in_bf16(native_bf16, tiny_bf16, setti
     if "kv_cache_memory_bytes" in args:
         args["kv_cache_memory_bytes"] *= per_block
     llm = LLM(str(path), block_size=BLOCK, progress=False, **args)
-    assert llm.stats()["precision"] == {"model": "float32", "matmul": "bfloat16", "kv_cache": "float32"}
+    assert llm.stats()["precision"] == {"model": "float32", "matmul": "bfloat16", "kv_cache": "bfloat16"}
     prompts = tiny_prompts()
     assert_close_to_hf(engine_scored(llm, prompts, MAX_TOKENS), expected)
     if "kv_cache_memory_bytes" in setting:

@@ -75,13 +75,42 @@ def test_reshape_and_cache_matches_reference() -> None:
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_over_a_bf16_cache_matches_reference(case: str, paged_batch) -> None:
+    """fp32 queries over a bf16 cache (``dtype=auto``'s): the compiled path reads the cache as the reference
+    does (widened to fp32), so the two agree to fp32 rounding, decode and prefill rows alike."""
+    batch = paged_batch(*CASES[case], seed=hash(case) % 1000 + 1)
+    caches = [cache.bfloat16() for cache in batch.poisoned_caches()]  # NaN stays NaN: unused slots still poison
+    out = batch.attend(cpu_ops.paged_attention, *caches)
+    clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+    expected = batch.attend(reference.paged_attention, *clean)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reshape_and_cache_into_bf16_rounds_as_torch_does() -> None:
+    gen = torch.Generator().manual_seed(4)
+    shape = (6, 2, 8, 64)
+    slots = torch.tensor([3, -1, 47, 8, 20])
+    key, value = (torch.randn(len(slots), 2, 64, generator=gen) * 100 for _ in range(2))
+    key[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 3.0e38, 1e-40])  # overflow, subnormal
+    expected = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    actual = [c.clone() for c in expected]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    cpu_ops.reshape_and_cache(key, value, *actual, slots)
+    for got, want in zip(actual, expected, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit
+
+
 def test_bad_input_is_refused(paged_batch) -> None:
     batch = paged_batch([20, 3], [1, 1], 4, 2, 64, 8)
     op = torch.ops.pagewise_cpu.paged_attention_decode
     with pytest.raises(RuntimeError, match="seq_lens out of the block table"):
         op(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens * 100, batch.scale)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(batch.query, batch.key_cache.double(), batch.value_cache, batch.block_tables, batch.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        op(batch.query, batch.key_cache.bfloat16(), batch.value_cache, batch.block_tables, batch.seq_lens, 1.0)
     slots = torch.tensor([0, batch.key_cache.shape[0] * 8])
     with pytest.raises(RuntimeError, match="slot_mapping out of the cache"):
         cpu_ops.reshape_and_cache(batch.query[:, :2], batch.query[:, :2], batch.key_cache, batch.value_cache, slots)
@@ -91,6 +120,10 @@ def test_dispatch_prefers_compiled_for_cpu_float32(monkeypatch) -> None:
     monkeypatch.delenv("PAGEWISE_KERNEL_BACKEND", raising=False)
     assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "cpu"
     assert kernels.backend_for(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)) == "torch"
+    bf16_cache = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)
+    assert kernels.backend_for(torch.zeros(1, 1, 1), bf16_cache) == "cpu"  # fp32 activations over a bf16 cache
+    assert kernels.backend_for(torch.zeros(1, 1, 1, dtype=torch.bfloat16), bf16_cache) == "torch"
+    assert kernels.backend_for(torch.zeros(1, 1, 1), bf16_cache.half()) == "torch"
     monkeypatch.setenv("PAGEWISE_KERNEL_BACKEND", "torch")
     assert kernels.backend_for(torch.zeros(1, 1, 1, 1)) == "torch"
 
