@@ -8,7 +8,8 @@ counts only the tokens each request asked for; total tokens/s adds the prompts.
 ``roofline_fraction`` puts total tokens/s against what this machine's best matmul path allows: a token costs two
 flops per weight of the model's matmuls (attention and the rest left out), and the rate is measured in the same
 run on the model's own projections at a prefill chunk's rows, every path this machine has (``pagewise.kernels.
-gemm``) and the fastest kept — not MKL's fp32 alone — so the fraction compares like with like on whatever CPU.
+gemm``) in the engine's matmul dtype (bf16 under ``dtype=auto`` on a CPU with native bf16) and the fastest kept
+— not MKL's fp32 alone — so the fraction compares like with like on whatever CPU.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ _ROOFLINE_ROWS = 512  # a prefill chunk: the step size at which every path runs 
 
 
 def best_gemm_gflops(llm: LLM) -> tuple[str, float]:
-    """This machine's best matmul rate (GFLOP/s) on the model's own projections: every path it supports, timed
-    at a prefill chunk's rows; the fastest path and its rate."""
+    """This machine's best matmul rate (GFLOP/s) on the model's own projections in the engine's matmul dtype:
+    every path it supports, timed at a prefill chunk's rows; the fastest path and its rate."""
     from pagewise.engine.gemm_selection import weight_shapes
     from pagewise.kernels.gemm import supported_paths, time_paths
 
     engine = llm.engine
-    dtype = next(engine.model.parameters()).dtype
+    dtype = engine.precision.matmul
     paths = supported_paths(engine.device, dtype)
     timing = time_paths(paths, weight_shapes(engine.arch), (_ROOFLINE_ROWS,), dtype)
     best = max(paths, key=timing.gflops)
@@ -150,7 +151,14 @@ def run(args: argparse.Namespace) -> int:
     from pagewise import LLM
 
     budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, gemm_path=args.gemm_path, progress=False, **budget)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        gemm_path=args.gemm_path,
+        dtype=args.dtype,
+        progress=False,
+        **budget,
+    )
     workload = make_workload(num, prompt_range, output_range, llm.engine.arch.vocab_size, seed=args.seed)
     print(
         f"workload: {num} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
@@ -160,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, object] = {
         "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
         "gemm_path": llm.engine.gemm.path.value,
+        "precision": llm.engine.precision.describe(),
         "num_requests": num,
         "num_prompt_tokens": workload.num_prompt_tokens,
         "num_output_tokens": workload.num_output_tokens,
@@ -221,6 +230,7 @@ def register(subparsers) -> None:
         "--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's for the device)"
     )
     parser.add_argument("--gemm-path", default="auto", help="the engine's matmul path (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="default: auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
