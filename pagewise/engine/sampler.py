@@ -227,8 +227,8 @@ def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[
 def _top(probs: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The highest ``lengths[row]`` probabilities of each row and their ids, highest first; 0 past a row's length.
     ``topk`` orders ties arbitrarily (and by its k), so a row with a tie among its positive values, the first
-    one past its length included, is sorted on its own, stably (ties by id): its candidates then depend on
-    nothing else in the batch."""
+    one past its length included, is redone on its own (``_top_with_ties``: ties by id, what a stable sort of the
+    whole row gives): its candidates then depend on nothing else in the batch."""
     dev, vocab = probs.device, probs.shape[-1]
     width = min(max(lengths) + 1, vocab)  # one past the longest, to see a tie at a row's cut
     values, ids = probs.topk(width, dim=-1)
@@ -236,8 +236,21 @@ def _top(probs: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.T
     length = torch.tensor(lengths, device=dev)[:, None]
     tied = (values[:, 1:] == values[:, :-1]) & (values[:, 1:] > 0) & (position[1:] <= length)
     for row in tied.any(dim=-1).nonzero().flatten().tolist():
-        values[row], ids[row] = (t[:width] for t in probs[row].sort(descending=True, stable=True))
+        n = lengths[row]
+        values[row, :n], ids[row, :n] = _top_with_ties(probs[row], values[row, n - 1], n)
     return values.masked_fill(position >= length, 0.0), ids
+
+
+def _top_with_ties(row: torch.Tensor, cut: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` of ``row`` sorted stably by value, highest first (ties by id), given ``cut``, the n-th
+    highest value: every value above it, then the lowest ids of those equal to it, ordered — one pass over the
+    row and a sort of ``n`` values, not a sort of the whole row (a tied row costs about as much as an untied
+    one)."""
+    above = (row > cut).nonzero().flatten()
+    level = (row == cut).nonzero().flatten()[: n - above.numel()]
+    ids = torch.cat((above, level)).sort().values  # by id, so the stable sort below breaks ties by id
+    values, order = row[ids].sort(descending=True, stable=True)
+    return values, ids[order]
 
 
 def _cut_top_p(values: torch.Tensor, top_p: list[float]) -> None:

@@ -549,3 +549,23 @@ def test_a_row_failing_in_the_batched_draw_fails_alone() -> None:
     results = _sampler()(logits, [_request(good[0], 1), _request(bad, 3), _request(good[1], 2)])
     assert isinstance(results[1], TypeError)
     assert [results[0].token_id, results[2].token_id] == without
+
+
+def test_top_candidates_equal_a_stable_sort_of_the_row_when_values_tie() -> None:
+    """``_top`` over rows full of ties (quantized probabilities, as real bf16 logits give) returns, per row, the
+    first ``length`` entries of a stable descending sort of that row: values and ids, ties broken by id."""
+    from pagewise.engine.sampler import _top
+
+    gen = torch.Generator().manual_seed(3)
+    for case in range(40):
+        rows, vocab = 6, 500
+        probs = torch.randint(0, 12, (rows, vocab), generator=gen).float() / 11  # a handful of levels: many ties
+        probs[0, :] = 0.0
+        probs[0, [7, 3, 11]] = 0.5  # a row whose positives are fewer than its length
+        lengths = torch.randint(1, 120, (rows,), generator=gen).tolist()
+        values, ids = _top(probs, lengths)
+        for row, n in enumerate(lengths):
+            want_values, want_ids = probs[row].sort(descending=True, stable=True)
+            positive = int((want_values[:n] > 0).sum())
+            assert torch.equal(values[row, :n], want_values[:n]), (case, row)
+            assert torch.equal(ids[row, :positive], want_ids[:positive]), (case, row)
