@@ -12,7 +12,8 @@ Invariants:
   and writes the same bytes, then the row. Killed after its commit, its rerun finds the revision and writes
   nothing.
 - Exports of one tenant are serialized by a row lock on the tenant (`FOR NO KEY UPDATE`: settlements adding the
-  tenant's usage meanwhile are not blocked), so two runs never race for a revision.
+  tenant's usage meanwhile are not blocked; on SQLite, the database's write lock), so two runs never race for a
+  revision or write each other's files.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sqlalchemy.orm import Session
 from pagewise.platform.billing.money import format_dollars
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import BillingExport, Tenant, UsageDaily
+from pagewise.platform.db.session import sqlite_write_lock
 
 PERIOD = re.compile(r"(\d{4})-(0[1-9]|1[0-2])")
 COLUMNS = (
@@ -151,6 +153,8 @@ def export_month(session: Session, export_dir: Path, tenant_id: str, period: str
     revision. Commits; raises `ExportError` (and changes nothing) for an unknown tenant or a bad period."""
     first, following = month_bounds(period, today)
     with session.begin():
+        if (lock := sqlite_write_lock(session)) is not None:
+            session.execute(lock)
         tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True))
         if tenant is None:
             raise ExportError(f"no tenant with id {tenant_id!r}")

@@ -1,8 +1,9 @@
 """Who may see a signed-in dashboard page, and what a refusal looks like.
 
 `require_admin` runs before every signed-in handler: without a live session (`session.load_session`) the browser
-is sent to the login page; a POST whose CSRF token does not match the session's is a 403 before its handler
-runs, so it changes nothing. Errors render as an HTML page with the status and the API's own message.
+is sent to the login page; a POST whose CSRF token does not match the session's is a 403, and one with a NUL in
+a field a 400, before its handler runs, so it changes nothing. Errors render as an HTML page with the status
+and the API's own message.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from litestar.params import SkipValidation
 from litestar.response import Redirect, Template
 
 from pagewise.platform.dashboard.csrf import CSRF_FIELD, csrf_matches
+from pagewise.platform.dashboard.forms import refuse_nul
 from pagewise.platform.dashboard.session import AdminSession, load_session, session_cookie
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import DASHBOARD_PATH
@@ -33,8 +35,11 @@ async def require_admin(request: Request) -> None:
     session = await load_session(request)
     if session is None:
         raise LoginRequired
-    if request.method == "POST" and not csrf_matches(session.state.csrf_token, (await request.form()).get(CSRF_FIELD)):
-        raise APIError(403, CSRF_REFUSED, code="csrf_failed", param=CSRF_FIELD)
+    if request.method == "POST":
+        form = await request.form()
+        if not csrf_matches(session.state.csrf_token, form.get(CSRF_FIELD)):
+            raise APIError(403, CSRF_REFUSED, code="csrf_failed", param=CSRF_FIELD)
+        refuse_nul(form)
     request.state.admin = session
 
 

@@ -2,7 +2,9 @@
 
 A form sends text. Here an empty quota means "no limit" (`None`), numbers may carry `,` or `_` separators,
 times are `YYYY-MM-DDTHH:MM` in UTC (what `<input type="datetime-local">` sends), and anything unreadable is
-a 400 naming the field — raised before any service is called, so a refused form changes nothing.
+a 400 naming the field — raised before any service is called, so a refused form changes nothing. A NUL in any
+field is refused the same way (`refuse_nul`, run on every dashboard POST before its handler): PostgreSQL stores
+no NUL in text, so an id holding one would otherwise be a 500 from the database.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate, Tenant
 
 SCOPES: tuple[str, ...] = get_args(Scope)
 TENANT_STATUSES: tuple[str, ...] = get_args(TenantStatus)
+
+
+def refuse_nul(form: FormMultiDict) -> None:
+    """A 400 naming the first field (or field name) of ``form`` that holds a NUL character."""
+    for field, value in form.multi_items():
+        if "\x00" in field or (isinstance(value, str) and "\x00" in value):
+            raise invalid_request(f"{field!r} contains a NUL character (U+0000)", param=field.replace("\x00", ""))
 
 
 def text(form: FormMultiDict, field: str) -> str:

@@ -15,9 +15,10 @@ from typing import Any, TypeAlias
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
-from sqlalchemy import Engine, event, make_url, text
+from sqlalchemy import Engine, TextClause, event, make_url, text
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -39,6 +40,17 @@ def set_sqlite_pragmas(engine: Engine) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.close()
+
+
+_SQLITE_WRITE_LOCK = text("UPDATE tenants SET id = id WHERE 0")
+
+
+def sqlite_write_lock(session: Session | AsyncSession) -> TextClause | None:
+    """What a check-then-write (the last-admin rule, an export's next revision) executes first on SQLite: a write
+    that changes nothing but opens the database's one write transaction, so a concurrent check waits (up to the
+    busy timeout) until this one commits, then reads what it wrote. None elsewhere: on PostgreSQL the check locks
+    the rows it reads (`FOR UPDATE`), which SQLite ignores."""
+    return _SQLITE_WRITE_LOCK if session.get_bind().dialect.name == "sqlite" else None
 
 
 def create_db_engine(url: str) -> AsyncEngine:

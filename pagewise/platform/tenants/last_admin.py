@@ -6,8 +6,9 @@ both go through `ensure_admin_remains`, which refuses (409 `last_admin`, nothing
 would take that number from one or more to zero. A change that leaves it where it is is never refused, so a
 database that has already lost every admin (all keys expired) can still be managed from the CLI.
 
-On PostgreSQL the check locks the rows it reads (`FOR UPDATE`) until the caller commits, so two concurrent
-changes cannot both pass it and together lock everyone out; SQLite (one process) ignores the lock.
+The check holds what it read until the caller commits, so two concurrent changes cannot both pass it and
+together lock everyone out: on PostgreSQL it locks the rows it reads (`FOR UPDATE`), on SQLite it takes the
+database's write lock before reading (`sqlite_write_lock`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.models import ApiKey, Tenant, utcnow
+from pagewise.platform.db.session import sqlite_write_lock
 from pagewise.platform.errors import APIError
 
 ADMIN_SCOPE = "admin"
 
 
 async def working_admin_keys(session: AsyncSession) -> list[tuple[str, str]]:
-    """(key id, tenant id) of every active admin key of an active tenant; their rows stay locked."""
+    """(key id, tenant id) of every active admin key of an active tenant; their rows (on SQLite, the whole
+    database's writes) stay locked until the session commits."""
+    if (lock := sqlite_write_lock(session)) is not None:
+        await session.execute(lock)
     rows = await session.execute(
         select(ApiKey.id, ApiKey.tenant_id, ApiKey.scopes)
         .join(Tenant, Tenant.id == ApiKey.tenant_id)

@@ -206,3 +206,26 @@ async def test_exports_page_lists_a_revision_and_downloads_its_files(
     assert (await admin_browser.get(f"{UI}/exports/exp_missing/jsonl")).status_code == 404
     overview = await admin_browser.get(f"{UI}/")
     assert "Spend · 24 h" in overview.text
+
+
+async def test_a_nul_in_any_form_field_is_a_400_and_changes_nothing(
+    platform: Platform, admin_browser: httpx.AsyncClient
+) -> None:
+    """PostgreSQL stores no NUL in text: a form id holding one is refused before the handler (never a 500), on a
+    signed-in POST and on the login form alike."""
+    tenant, _ = await platform.tenant_with_key()
+    admin = bearer(platform.admin_key)
+    before = (await platform.http.get(f"/admin/tenants/{tenant['id']}/keys", headers=admin)).json()
+    token = csrf_token((await admin_browser.get(f"{UI}/keys")).text)
+    created = await admin_browser.post(
+        f"{UI}/keys", data={"csrf_token": token, "tenant_id": f"{tenant['id']}\x00", "name": "k", "scopes": "inference"}
+    )
+    assert created.status_code == 400 and "NUL" in created.text, created.text
+    renamed = await admin_browser.post(f"{UI}/tenants/{tenant['id']}", data={"csrf_token": token, "name": "a\x00b"})
+    assert renamed.status_code == 400, renamed.text
+    assert (await platform.http.get(f"/admin/tenants/{tenant['id']}/keys", headers=admin)).json() == before
+    assert (await platform.http.get(f"/admin/tenants/{tenant['id']}", headers=admin)).json()["name"] == tenant["name"]
+    transport = httpx.ASGITransport(app=platform.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        login = await sign_in(http, "sk-\x00")
+        assert login.status_code == 400 and "NUL" in login.text, login.text

@@ -8,7 +8,7 @@ from litestar.response import Redirect, Template
 
 from pagewise.platform.dashboard.access import LOGIN_PATH
 from pagewise.platform.dashboard.csrf import CSRF_FIELD, LOGIN_COOKIE, csrf_matches, login_cookie, login_token
-from pagewise.platform.dashboard.forms import text
+from pagewise.platform.dashboard.forms import refuse_nul, text
 from pagewise.platform.dashboard.session import close_session, load_session, open_session
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.auth import DASHBOARD_PATH, authenticate, check_scope, client_address
@@ -44,6 +44,7 @@ class LoginController(Controller):
         if not csrf_matches(request.cookies.get(LOGIN_COOKIE), form.get(CSRF_FIELD)):
             return login_page(request, "The login form expired: please sign in again.", 403)
         try:
+            refuse_nul(form)
             bearer = f"Bearer {text(form, 'api_key')}"
             principal = await authenticate(services.database, bearer, services.auth_failures, client_address(request))
             check_scope(principal, ADMIN_SCOPE)
