@@ -16,6 +16,10 @@ Invariants:
   abort are billed too.
 - `abort()` works at any moment: before the first step (nothing runs, nothing is billed), while running (the
   engine frees the request's blocks at its next step; the execution ends `cancelled`), or after the end (no-op).
+- An execution whose transport says it no longer holds its Submit (`hold`: another worker took it over after
+  this one was presumed dead) stops without a word: before each delta and before the final write it asks, and
+  when the answer is no it frees its engine work and raises `Superseded` — no event, no row, no reconcile; the
+  attempt that took over owns the request.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ Emit = Callable[[Event], Awaitable[None]]
 # A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the terminal event,
 # so that no reader sees it before the reconcile (a client's next request must find its slot free).
 Settle = Callable[[Reservation, int, "int | None", Event], Awaitable[None]]
+# Whether this execution still holds its Submit: False once another worker has taken it over.
+Hold = Callable[[], Awaitable[bool]]
+
+
+class Superseded(Exception):
+    """The Submit was taken over by another worker's attempt: this one stopped and said nothing."""
 
 
 @dataclass(slots=True)
@@ -90,11 +100,13 @@ class Execution:
         *,
         attempt: int = 1,
         settle: Settle | None = None,
+        hold: Hold | None = None,
     ) -> None:
         self.submit = submit
         self.attempt = attempt
         self._engine, self._requests, self._quotas, self._emit = engine, requests, quotas, emit
         self._settle_and_emit = settle  # None: `quotas.reconcile`, then `emit`
+        self._hold = hold  # None: the Submit is this execution's for good (one engine, loopback)
         n = submit.params.n
         self._choices = [_Choice() for _ in range(len(submit.prompts) * n)]
         self._prompts = [_Prompt() for _ in submit.prompts]
@@ -116,8 +128,17 @@ class Execution:
     def abort(self) -> None:
         """End the request as `cancelled`, now or at its next step; idempotent."""
         self._aborted = True
+        self._stop_engine()
+
+    def _stop_engine(self) -> None:
         for engine_id in self.engine_ids():
             self._engine.abort(engine_id)
+
+    async def _check_held(self) -> None:
+        """Raise `Superseded` (the engine's work freed) when another worker has taken the Submit over."""
+        if self._hold is not None and not await self._hold():
+            self._stop_engine()
+            raise Superseded(f"request {self.request_id}: attempt {self.attempt} was taken over")
 
     async def run(self) -> Event:
         """Run to the end (or the abort); returns the terminal event, already emitted."""
@@ -149,6 +170,8 @@ class Execution:
                             break
                 if not self._aborted and not any(c.finish_reason == ABORTED for c in self._choices):
                     status = "completed"
+        except Superseded:
+            raise
         except EngineDeadError:
             logger.exception("request %s failed: the engine stopped", self.request_id)
             status, error = "failed", ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, "the inference engine stopped")
@@ -209,6 +232,7 @@ class Execution:
                 started, first = _utc(self._started_at), _utc(self._first_token_at)
                 self._spawn(self._requests.mark_running(self.request_id, started, first))
         reached = [p for p in self._prompts if p.reached_engine]
+        await self._check_held()
         await self._emit(
             Delta(
                 attempt=self.attempt,
@@ -286,6 +310,7 @@ class Execution:
 
     async def _finish(self, result: FinishedRequest) -> Settled | None:
         """The guarded final write; what it billed if it was this execution's write that finished the row."""
+        await self._check_held()
         with self._trace.persisting(result.status) as span:
             settled = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
             span.set_attribute("pagewise.persist.won", settled is not None)

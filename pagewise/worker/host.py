@@ -27,7 +27,7 @@ from pagewise.platform.quotas.quota_store import QuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.telemetry import PlatformMetrics
 from pagewise.protocol import EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
-from pagewise.worker.execution import Emit, Execution, Settle
+from pagewise.worker.execution import Emit, Execution, Hold, Settle
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -66,16 +66,19 @@ class EngineHost:
             self._heartbeat = asyncio.get_running_loop().create_task(self._keep_leases())
 
     def run(
-        self, submit: Submit, emit: Emit, *, attempt: int = 1, settle: Settle | None = None
+        self, submit: Submit, emit: Emit, *, attempt: int = 1, settle: Settle | None = None, hold: Hold | None = None
     ) -> asyncio.Task[Event]:
-        """Start executing `submit`; the task's result is the terminal event (already emitted). A request id that
-        is already live gets that execution's task back (a duplicate delivery never runs twice at once).
-        `settle`: the transport's reconcile-then-emit in one step (without: `quotas.reconcile`, then `emit`)."""
+        """Start executing `submit`; the task's result is the terminal event (already emitted), or `Superseded`.
+        A request id that is already live gets that execution's task back (a duplicate delivery never runs twice
+        at once). `settle`: the transport's reconcile-then-emit in one step (without: `quotas.reconcile`, then
+        `emit`); `hold`: whether the transport still gives this host the Submit (without: always)."""
         request_id = submit.request_id
         running = self._tasks.get(request_id)
         if running is not None:
             return running
-        execution = Execution(submit, self.engine, self.requests, self.quotas, emit, attempt=attempt, settle=settle)
+        execution = Execution(
+            submit, self.engine, self.requests, self.quotas, emit, attempt=attempt, settle=settle, hold=hold
+        )
         if self._early_aborts.pop(request_id, None) is not None:
             execution.abort()
         self.live[request_id] = execution

@@ -10,7 +10,16 @@ Invariants:
   request fails with the reason; no Submit is lost or run by two live workers at once.
 - A redelivered Submit never bills twice: the final write is guarded, and a request already final is answered
   from its row (`Execution.run`).
-- An abort reaches the worker through pub/sub at once, or through the `aborted` key when the Submit is taken.
+- A live worker's Submits are never taken over, and a presumed-dead one's attempt is fenced: every beat, the
+  worker re-claims the pending entries it holds (`HOLD_SCRIPT`: each one still its own is claimed again, which
+  resets its idle time, atomically), so an adopter's claim — which needs an entry idle for a whole TTL — can
+  only win once the holder has stopped beating for that long. A holder that wakes from such a stall asks again
+  before its next delta or final write (`Execution`'s `hold`); an entry another worker claimed meanwhile is
+  not its own any more, and that attempt stops without a word (`Superseded`) and is not acknowledged.
+- An abort is never lost: it reaches the worker through pub/sub at once, or through the `aborted` key — read
+  when the Submit is taken, and for every request in flight each time the subscription is (re)made, since
+  one published while it was down reached nobody. One published while a Submit is being taken (between its
+  key check and its execution's creation) is remembered by the host and applied when the execution starts.
 - A settlement — the winning execution's reconcile and its terminal event — is one MULTI/EXEC when the quotas
   live in this Redis: the reconcile runs first, and no reader sees the event without it.
 - A Redis fault never ends the worker: reading the inbox, the abort channel, acknowledging a finished Submit,
@@ -29,14 +38,14 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
 import redis.asyncio as redis
-from redis.asyncio.client import Pipeline
+from redis.asyncio.client import Pipeline, PubSub
 
 from pagewise.platform.quotas.quota_store import Reservation
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import FinishedRequest
 from pagewise.platform.tracing import reconcile_span
 from pagewise.protocol import ErrorCode, ErrorInfo, Event, Finished, RedisKeys, Usage, decode_submit, encode
-from pagewise.worker.execution import Emit, Settle
+from pagewise.worker.execution import Emit, Settle, Superseded
 from pagewise.worker.host import EngineHost
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,27 @@ READ_BLOCK_MS = 1000
 EVENTS_MAXLEN = 100_000  # entries kept per request stream (a runaway reader cannot grow Redis without bound)
 EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late readers and reconnects
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
+HOLD_MARGIN = 0.5  # an execution asks Redis whether it still holds its Submit when the last hold is this old (in TTLs)
+# KEYS: the streams of the held entries, ARGV: group, consumer, then one entry id per stream. Claims again each
+# entry the consumer still has pending (idle time back to 0, delivery count unchanged); returns 1 per entry
+# still held, 0 per entry another consumer has (or nobody, once acknowledged). An entry whose stream or group is
+# gone (Redis lost its data) counts as held: nobody else can claim it either.
+HOLD_SCRIPT = """
+local held = {}
+for i, stream in ipairs(KEYS) do
+  local id = ARGV[i + 2]
+  local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[1], id, id, 1)
+  if not ok then
+    held[i] = 1
+  elseif pending[1] and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    held[i] = 1
+  else
+    held[i] = 0
+  end
+end
+return held
+"""
 
 
 def _is_redis_fault(error: BaseException) -> bool:
@@ -84,6 +114,11 @@ class RedisWorker:
         self._max_deliveries = max_deliveries
         self._stopping = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
+        self._taking: set[str] = set()  # request ids between their aborted-key check and their execution
+        self._held: dict[str, tuple[str, bytes]] = {}  # request id → (stream, entry id) of a Submit taken here
+        self._held_at = time.monotonic()  # when the last hold that succeeded was sent
+        self._holding: asyncio.Future[set[str]] | None = None  # the hold in flight, shared by all who ask
+        self._hold_script = client.register_script(HOLD_SCRIPT)
         store = getattr(host.quotas, "store", host.quotas)  # under a tracing wrapper, the store itself
         # quotas in this Redis: a settlement's reconcile and its events go in one transaction (one round trip)
         self._redis_quotas = store if isinstance(store, RedisQuotaStore) else None
@@ -190,18 +225,30 @@ class RedisWorker:
             logger.exception("dropping malformed entry %s of %s", entry_id, stream)
             await self._ack(stream, entry_id)
             return
-        if await self._redis.exists(self._keys.aborted(submit.request_id)):
-            self.host.abort(submit.request_id)  # remembered, and applied when `run` creates the execution
-        emit, settle = self._emitter(submit.request_id), self._settler(submit.request_id)
-        task = self.host.run(submit, emit, attempt=attempt, settle=settle)
+        request_id = submit.request_id
+        self._taking.add(request_id)  # an abort arriving from now on is remembered by the host
+        try:
+            if await self._redis.exists(self._keys.aborted(request_id)):
+                self.host.abort(request_id)  # remembered, and applied when `run` creates the execution
+            emit, settle = self._emitter(request_id), self._settler(request_id)
+            self._held[request_id] = (stream, entry_id)
+            task = self.host.run(submit, emit, attempt=attempt, settle=settle, hold=self._holder(request_id))
+        finally:
+            self._taking.discard(request_id)
 
         async def finish() -> None:
+            superseded = False
             try:
                 await task
+            except Superseded:
+                superseded = True  # the entry is the adopter's now: acknowledging it would drop its Submit
+                logger.warning("request %s was taken over by another worker; this attempt stopped", request_id)
             finally:
-                # a fault at this moment must not lose the ack: retried until `stop()`; an entry left pending
-                # then is rerun by an adopter and answered from its final row (never billed twice)
-                await self._riding_out_faults(lambda: self._ack(stream, entry_id), "acknowledging", repeat=False)
+                if not superseded:
+                    # a fault at this moment must not lose the ack: retried until `stop()`; an entry left pending
+                    # then is rerun by an adopter and answered from its final row (never billed twice)
+                    await self._riding_out_faults(lambda: self._ack(stream, entry_id), "acknowledging", repeat=False)
+                self._held.pop(request_id, None)
 
         wrapper = asyncio.create_task(finish())
         self._inflight.add(wrapper)
@@ -244,24 +291,83 @@ class RedisWorker:
     # ---- aborts
 
     async def _listen_for_aborts(self) -> None:
-        """Apply aborts published for this model; a lost subscription is made again (with backoff). An abort
-        published while it was down still reaches a Submit not yet read (the `aborted` key); one already running
-        misses it, and runs to its end."""
+        """Apply aborts published for this model; a lost subscription is made again (with backoff), and then the
+        aborts published while it was down are found by their keys."""
         await self._riding_out_faults(self._apply_aborts, "the abort subscription")
 
     async def _apply_aborts(self) -> None:
         pubsub = self._redis.pubsub()
         await pubsub.subscribe(self._keys.aborts(self.model))
         try:
+            await _subscribed(pubsub)
+            await self._abort_missed()
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is not None and message["type"] == "message":
                     request_id = message["data"].decode()
-                    if request_id in self.host.live:
+                    if request_id in self.host.live or request_id in self._taking:
                         self.host.abort(request_id)
         finally:
             with suppress(Exception):
                 await pubsub.aclose()
+
+    async def _abort_missed(self) -> None:
+        """Abort every request in flight (or being taken) whose `aborted` key is set: run once the subscription
+        is confirmed, so an abort is either published to it or its key was set before this check."""
+        request_ids = [*self.host.live, *self._taking]
+        if not request_ids:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.exists(self._keys.aborted(request_id))
+            flags = await pipe.execute()
+        for request_id, aborted in zip(request_ids, flags, strict=True):
+            if aborted:
+                self.host.abort(request_id)
+
+    # ---- holding the Submits taken here
+
+    def _holder(self, request_id: str) -> Callable[[], Awaitable[bool]]:
+        """The `hold` of one execution: False once a hold found its entry taken; True at once while the last hold
+        is recent (no adopter can have claimed an entry idle for less than a TTL); else the answer of a new hold.
+        A hold that fails (Redis down) answers True: the delta that follows fails the same way, and an entry
+        cannot change hands while nobody reaches Redis."""
+
+        async def hold() -> bool:
+            if request_id not in self._held:
+                return False
+            if time.monotonic() - self._held_at < HOLD_MARGIN * self._ttl_s:
+                return True
+            try:
+                return request_id in await self._hold()
+            except redis.RedisError as error:
+                _log_failure("holding the Submits", error)
+                return True
+
+        return hold
+
+    async def _hold(self) -> set[str]:
+        """Claim again every entry still held (one `HOLD_SCRIPT` call, shared by concurrent callers); the request
+        ids still held. The executions of the others are stopped, and end `Superseded` without a word."""
+        if self._holding is None:
+            self._holding = asyncio.ensure_future(self._claim_held())
+            self._holding.add_done_callback(lambda _: setattr(self, "_holding", None))
+        return await asyncio.shield(self._holding)
+
+    async def _claim_held(self) -> set[str]:
+        held = dict(self._held)
+        sent_at = time.monotonic()
+        if not held:
+            self._held_at = sent_at
+            return set()
+        streams, entry_ids = zip(*held.values(), strict=True)
+        flags = await self._hold_script(keys=list(streams), args=[RedisKeys.GROUP, self.worker_id, *entry_ids])
+        self._held_at = sent_at
+        for request_id, flag in zip(held, flags, strict=True):
+            if not flag and self._held.pop(request_id, None) is not None:
+                # taken over: stopped now, and at its final write its hold says no, so it ends `Superseded`
+                self.host.abort(request_id)
+        return {request_id for request_id, flag in zip(held, flags, strict=True) if flag}
 
     # ---- heartbeat
 
@@ -277,6 +383,7 @@ class RedisWorker:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await self._beat()
+                await self._hold()
             except Exception as error:  # noqa: BLE001 - the next beat retries
                 _log_failure("the heartbeat", error)
 
@@ -355,6 +462,16 @@ class RedisWorker:
         await self._emitter(submit.request_id)(finished)
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
+
+
+async def _subscribed(pubsub: PubSub, timeout_s: float = 5.0) -> None:
+    """Wait for Redis to confirm the subscription (from then on, every message published reaches it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=1.0)
+        if message is not None and message["type"] == "subscribe":
+            return
+    raise redis.TimeoutError(f"no subscription confirmed within {timeout_s:g} s")
 
 
 def _queue_event(pipe: Pipeline, stream: str, event: Event) -> None:

@@ -12,7 +12,9 @@ Invariants:
 - A reader never hangs: when no event arrives for `STALL_S`, the row is consulted; a final row ends the read.
 - A request restarted on another worker (a higher `attempt`) continues cleanly when its output is reproducible
   (greedy or seeded): the tokens the client already has are skipped. A sampled one ends with a `worker_lost`
-  error instead, since its continuation would not match what was sent.
+  error instead, since its continuation would not match what was sent. Once a higher attempt is seen, events of
+  lower ones (a stalled worker that woke up before it learnt it was superseded) are ignored: two attempts never
+  interleave in what a reader gets.
 - The read reports to the span current when `run` starts (the HTTP server span, when traced): a
   `gen_ai.first_token` event, a `pagewise.restarted` event per new attempt, and at the end the billed tokens and
   the finish reasons. Nothing of the prompt or the output.
@@ -238,6 +240,8 @@ class InferenceJob:
         self._span.set_attributes({"gen_ai.request.model": self.prepared.model, "gen_ai.response.id": self.id})
         try:
             async for event in self._events():
+                if not isinstance(event, Rejected) and event.attempt < self._attempt:
+                    continue  # a superseded attempt's
                 if isinstance(event, Delta):
                     for delta in self._news(event):
                         yield delta

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from contextlib import suppress
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager, suppress
+from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import redis.asyncio as redis
 
@@ -18,12 +22,12 @@ from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
-from pagewise.protocol import RedisKeys
+from pagewise.protocol import ChoiceDelta, Delta, Finished, RedisKeys, Usage, decode_event, encode
 from pagewise.worker.host import EngineHost
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
-from ..harness import bearer, chat_body
+from ..harness import Platform, bearer, chat_body
 from .conftest import with_admin
 
 pytestmark = pytest.mark.anyio
@@ -88,9 +92,27 @@ async def served_again(http, key: str, within_s: float) -> float:
     raise AssertionError(f"not served again within {within_s} s")
 
 
-async def test_a_worker_survives_cut_connections_and_a_redis_that_lost_its_data(
+async def running_on(worker: RedisWorker, request: Coroutine[Any, Any, httpx.Response]) -> tuple[asyncio.Task, str]:
+    """Send `request` in a task; once the worker runs it, the task and the request's id (an execution of an
+    earlier request may still be live for a moment after its answer)."""
+    earlier = set(worker.host.live)
+    answer = asyncio.create_task(request)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while loop.time() - start < 30:
+        if new := set(worker.host.live) - earlier:
+            [request_id] = new
+            return answer, request_id
+        await asyncio.sleep(0.02)
+    raise AssertionError("the worker never took the request")
+
+
+@asynccontextmanager
+async def worker_behind_proxy(
     database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
-) -> None:
+) -> AsyncIterator[tuple[Platform, RedisWorker, asyncio.Task[None], CuttableProxy]]:
+    """An API replica on the tests' Redis and one worker whose Redis connections all go through a `CuttableProxy`
+    (heartbeat 0.2 s); the worker is stopped and waited for afterwards."""
     keys = RedisKeys(redis_key_prefix)
     proxy = CuttableProxy()
     await proxy.start()
@@ -113,25 +135,113 @@ async def test_a_worker_survives_cut_connections_and_a_redis_that_lost_its_data(
         running = asyncio.get_running_loop().create_task(worker.run())
         try:
             async for platform in with_admin(app):
-                _, key = await platform.tenant_with_key()
-                await served_again(platform.http, key, within_s=30)
-
-                proxy.cut()  # every connection of the worker drops, and new ones are refused for a while
-                await asyncio.sleep(1.5)
-                assert not running.done()
-                proxy.restore()
-                await served_again(platform.http, key, within_s=30)
-
-                direct = redis.Redis.from_url(REDIS_URL)  # Redis came back empty: stream, group, info gone
-                await direct.delete(keys.submissions(worker.worker_id), keys.info(llm_engine.model_name))
-                proxy.cut()
-                proxy.restore()
-                await direct.aclose()
-                await served_again(platform.http, key, within_s=30)
-                assert not running.done()
+                yield platform, worker, running, proxy
         finally:
             worker.stop()
             await asyncio.wait_for(running, 60)
             await client.aclose()
             await proxy.close()
     await quotas.close()
+
+
+async def test_a_worker_survives_cut_connections_and_a_redis_that_lost_its_data(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
+) -> None:
+    keys = RedisKeys(redis_key_prefix)
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, running, proxy):
+        _, key = await platform.tenant_with_key()
+        await served_again(platform.http, key, within_s=30)
+
+        proxy.cut()  # every connection of the worker drops, and new ones are refused for a while
+        await asyncio.sleep(1.5)
+        assert not running.done()
+        proxy.restore()
+        await served_again(platform.http, key, within_s=30)
+
+        direct = redis.Redis.from_url(REDIS_URL)  # Redis came back empty: stream, group, info gone
+        await direct.delete(keys.submissions(worker.worker_id), keys.info(llm_engine.model_name))
+        proxy.cut()
+        proxy.restore()
+        await direct.aclose()
+        await served_again(platform.http, key, within_s=30)
+        assert not running.done()
+
+
+async def test_an_abort_published_while_the_subscription_is_down_still_cancels(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
+) -> None:
+    """The worker's abort subscription is dropped and the abort published before it is made again: nobody hears
+    it, but the resubscribed worker finds its key and cancels the running request (it would run to the end)."""
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, _, proxy):
+        _, key = await platform.tenant_with_key()
+        await served_again(platform.http, key, within_s=30)
+        body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
+        answer, request_id = await running_on(worker, platform.http.post("/v1/chat/completions", json=body,
+                                                                          headers=bearer(key)))
+        direct = redis.Redis.from_url(REDIS_URL)
+        await direct.client_kill_filter(_type="pubsub")  # the subscription drops; the worker waits ≥ 0.1 s
+        await platform.app.state.services.engine.transport.abort(request_id)  # published to no one
+        await direct.aclose()
+        await asyncio.wait_for(answer, 60)
+        final = await worker.host.requests.final_state(request_id)
+        assert final is not None and final.status == "cancelled", final
+        assert final.completion_tokens < 400
+
+
+async def test_a_live_workers_submit_is_held_and_a_taken_over_one_is_fenced(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
+) -> None:
+    """While a worker runs a Submit its entry never looks idle for a TTL (each beat claims it again), so no
+    adopter can take it. Once another consumer has claimed it — what an adopter does to a worker that stalled past
+    the TTL — the holder's attempt stops without a word: no final row, no terminal event, no acknowledgement (the
+    entry stays the adopter's)."""
+    keys = RedisKeys(redis_key_prefix)
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, _, _):
+        _, key = await platform.tenant_with_key()
+        await served_again(platform.http, key, within_s=30)
+        body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
+        answer, request_id = await running_on(worker, platform.http.post("/v1/chat/completions", json=body,
+                                                                          headers=bearer(key)))
+        direct = redis.Redis.from_url(REDIS_URL)
+        try:
+            await asyncio.sleep(1.5)  # past the TTL (1 s): unheld, the entry would be idle long enough to adopt
+            assert request_id in worker.host.live
+            ttl_ms = int(5 * 0.2 * 1000)
+            assert await direct.xpending_range(worker.inbox, RedisKeys.GROUP, "-", "+", 10, idle=ttl_ms) == []
+            [entry] = await direct.xpending_range(worker.inbox, RedisKeys.GROUP, "-", "+", 10)
+            entry_id = entry["message_id"]
+            assert await direct.xclaim(worker.inbox, RedisKeys.GROUP, "adopter", 0, [entry_id], justid=True)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while request_id in worker.host.live and loop.time() - start < 10:
+                await asyncio.sleep(0.05)
+            assert request_id not in worker.host.live  # stopped, long before its 400 tokens
+            assert await worker.host.requests.final_state(request_id) is None
+            [pending] = await direct.xpending_range(worker.inbox, RedisKeys.GROUP, entry_id, entry_id, 1)
+            assert pending["consumer"] == b"adopter"
+            events = [decode_event(fields[b"m"]) for _, fields in await direct.xrange(keys.events(request_id))]
+            assert events and all(isinstance(e, Delta) for e in events)
+
+            # the adopter's attempt 2 replays the tokens sent and adds one; a delta of the superseded attempt
+            # arriving after that (a stalled worker before it learnt) is not what the reader gets
+            sent = sum(len(c.token_ids) for e in events for c in e.choices)
+            prompt_tokens = events[-1].prompt_tokens
+            stream = keys.events(request_id)
+            for event in (
+                Delta(attempt=2, choices=[ChoiceDelta(0, "R", [1] * sent, None)], prompt_tokens=prompt_tokens,
+                      cached_tokens=0),
+                Delta(attempt=2, choices=[ChoiceDelta(0, "NEW", [2], "length")], prompt_tokens=prompt_tokens,
+                      cached_tokens=0),
+                Delta(attempt=1, choices=[ChoiceDelta(0, "STALE", [3], None)], prompt_tokens=prompt_tokens,
+                      cached_tokens=0),
+                Finished(attempt=2, status="completed", usage=Usage(prompt_tokens, sent + 1, 0),
+                         finished_at=time.time()),
+            ):
+                await direct.xadd(stream, {"m": encode(event)})
+            response = await asyncio.wait_for(answer, 30)
+            content = response.json()["choices"][0]["message"]["content"]
+            assert content == "".join(c.text for e in events for c in e.choices) + "NEW"
+        finally:
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            await direct.aclose()
