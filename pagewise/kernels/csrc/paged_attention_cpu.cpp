@@ -25,15 +25,6 @@ namespace {
 
 #define PAGEWISE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// A cache element as float32: itself, or a bf16's bits as the top half of a float32's.
-inline float widen(float x) { return x; }
-inline float widen(uint16_t bits) {
-    const uint32_t word = static_cast<uint32_t>(bits) << 16;
-    float x;
-    std::memcpy(&x, &word, sizeof x);
-    return x;
-}
-
 // A float32 stored in a cache element: itself, or rounded to the nearest bf16 (ties to even; no NaNs arise
 // under -ffast-math, and infinities stay infinite).
 inline void narrow(float x, float* out) { *out = x; }
@@ -51,50 +42,85 @@ inline const T* block_rows(const T* cache, const int32_t* table, int64_t t, int6
     return cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
 }
 
+// Asks for one kv head's rows of the block holding token `t` (those in the context; none past its end) to be
+// brought into cache while the current block is computed: a sequence's blocks lie anywhere in the cache, so the
+// hardware prefetcher, which follows the rows of one block, cannot find the next block by itself.
+template <typename T>
+inline void prefetch_block(const T* cache, const int32_t* table, int64_t t, int64_t context_len,
+                           int64_t block_stride, int64_t head_offset, int64_t block_size, int64_t head_dim) {
+    if (t >= context_len) return;
+    const char* rows = reinterpret_cast<const char*>(
+        block_rows(cache, table, t, block_stride, head_offset, block_size, head_dim));
+    const int64_t bytes = std::min(block_size, context_len - t) * head_dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(rows + line);
+}
+
+// Rows of a bf16 cache as float32, `n` elements from `src` into `dst`: a bf16 is the top half of a float32's
+// bits. Written through a may_alias integer type, so the loop vectorizes (a widening move and a shift) and the
+// floats read back from `dst` are well defined.
+typedef uint32_t __attribute__((may_alias)) float_bits;
+inline void widen_rows(const uint16_t* src, int64_t n, float* dst) {
+    float_bits* out = reinterpret_cast<float_bits*>(dst);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;
+}
+
+// `n` cache elements from `rows` as float32: the rows themselves for a float32 cache, else widened into `tile`.
+inline const float* as_float(const float* rows, int64_t, float*) { return rows; }
+inline const float* as_float(const uint16_t* rows, int64_t n, float* tile) {
+    widen_rows(rows, n, tile);
+    return tile;
+}
+
 // One (sequence, kv head) unit of decode attention: the `group` query heads that share kv head `kv_head` attend
-// over the sequence's first `context_len` cached tokens. `scores` holds group * context_len floats. Tokens go
-// four at a time inside a block, so each query row keeps four independent accumulators (scores) and each output
-// row is loaded and stored once per four value rows. `T` is the cache's element (float, or uint16_t for bf16);
-// the body is inlined into one function per element type, each built for several instruction sets.
+// over the sequence's first `context_len` cached tokens. `scores` holds group * context_len floats, `tile`
+// 4 * head_dim. Tokens go four at a time inside a block: their rows are read as float32 once (`as_float`) for
+// all the group's query heads, each query row keeps four independent accumulators (scores), and each output row
+// is loaded and stored once per four value rows. `T` is the cache's element (float, or uint16_t for bf16); the
+// body is inlined into one function per element type, each built for several instruction sets.
 template <typename T>
 inline __attribute__((always_inline)) void attend_body(const float* queries, const T* key_cache, const T* value_cache,
                                                        const int32_t* table, int64_t context_len, int64_t kv_head,
                                                        int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                                                       int64_t group, float scale, float* scores, float* out) {
+                                                       int64_t group, float scale, float* scores, float* tile,
+                                                       float* out) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t head_offset = kv_head * block_size * head_dim;
     for (int64_t t = 0; t < context_len;) {
         const T* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);  // contiguous rows from t
+        prefetch_block(key_cache, table, t + run, context_len, block_stride, head_offset, block_size, head_dim);
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
-            const T *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+            const float* k0 = as_float(k + i * head_dim, 4 * head_dim, tile);
+            const float *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float* q = queries + g * head_dim;
                 float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    a0 += q[d] * widen(k0[d]);
-                    a1 += q[d] * widen(k1[d]);
-                    a2 += q[d] * widen(k2[d]);
-                    a3 += q[d] * widen(k3[d]);
+                    a0 += q[d] * k0[d];
+                    a1 += q[d] * k1[d];
+                    a2 += q[d] * k2[d];
+                    a3 += q[d] * k3[d];
                 }
                 float* row = scores + g * context_len + t + i;
                 row[0] = a0 * scale, row[1] = a1 * scale, row[2] = a2 * scale, row[3] = a3 * scale;
             }
         }
         for (; i < run; ++i) {
-            const T* k0 = k + i * head_dim;
+            const float* k0 = as_float(k + i * head_dim, head_dim, tile);
             for (int64_t g = 0; g < group; ++g) {
                 const float* q = queries + g * head_dim;
                 float a0 = 0.f;
 #pragma omp simd reduction(+ : a0)
-                for (int64_t d = 0; d < head_dim; ++d) a0 += q[d] * widen(k0[d]);
+                for (int64_t d = 0; d < head_dim; ++d) a0 += q[d] * k0[d];
                 scores[g * context_len + t + i] = a0 * scale;
             }
         }
         t += run;
     }
+    prefetch_block(value_cache, table, 0, context_len, block_stride, head_offset, block_size, head_dim);
     for (int64_t g = 0; g < group; ++g) {
         float* row = scores + g * context_len;
         float peak = -std::numeric_limits<float>::max();  // finite: built with -ffast-math
@@ -112,25 +138,26 @@ inline __attribute__((always_inline)) void attend_body(const float* queries, con
     for (int64_t t = 0; t < context_len;) {
         const T* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);
+        prefetch_block(value_cache, table, t + run, context_len, block_stride, head_offset, block_size, head_dim);
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
-            const T *v0 = v + i * head_dim, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+            const float* v0 = as_float(v + i * head_dim, 4 * head_dim, tile);
+            const float *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
             for (int64_t g = 0; g < group; ++g) {
                 const float* p = scores + g * context_len + t + i;
                 const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
                 float* o = out + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d)
-                    o[d] += p0 * widen(v0[d]) + p1 * widen(v1[d]) + p2 * widen(v2[d]) + p3 * widen(v3[d]);
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
             }
         }
         for (; i < run; ++i) {
-            const T* v0 = v + i * head_dim;
+            const float* v0 = as_float(v + i * head_dim, head_dim, tile);
             for (int64_t g = 0; g < group; ++g) {
                 const float p0 = scores[g * context_len + t + i];
                 float* o = out + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * widen(v0[d]);
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += p0 * v0[d];
             }
         }
         t += run;
@@ -140,17 +167,17 @@ inline __attribute__((always_inline)) void attend_body(const float* queries, con
 PAGEWISE_CLONES
 void attend_unit(const float* queries, const float* key_cache, const float* value_cache, const int32_t* table,
                  int64_t context_len, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                 int64_t group, float scale, float* scores, float* out) {
+                 int64_t group, float scale, float* scores, float* tile, float* out) {
     attend_body(queries, key_cache, value_cache, table, context_len, kv_head, num_kv_heads, block_size, head_dim,
-                group, scale, scores, out);
+                group, scale, scores, tile, out);
 }
 
 PAGEWISE_CLONES
 void attend_unit(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table,
                  int64_t context_len, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                 int64_t group, float scale, float* scores, float* out) {
+                 int64_t group, float scale, float* scores, float* tile, float* out) {
     attend_body(queries, key_cache, value_cache, table, context_len, kv_head, num_kv_heads, block_size, head_dim,
-                group, scale, scores, out);
+                group, scale, scores, tile, out);
 }
 
 // A cache's elements as `T` (float for a float32 cache, uint16_t for a bf16 one).
@@ -196,12 +223,13 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
     auto attend_all = [&](const auto* k_ptr, const auto* v_ptr) {
         at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> scores(group * longest);
+            std::vector<float> scores(group * longest), tile(4 * head_dim);
             for (int64_t unit = begin; unit < end; ++unit) {
                 const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
                 const int64_t row = (s * num_heads + h * group) * head_dim;
                 attend_unit(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
-                            block_size, head_dim, group, static_cast<float>(scale), scores.data(), out_ptr + row);
+                            block_size, head_dim, group, static_cast<float>(scale), scores.data(), tile.data(),
+                            out_ptr + row);
             }
         });
     };
