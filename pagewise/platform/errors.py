@@ -10,6 +10,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
+from pagewise.platform.db.faults import RETRY_AFTER_S, is_database_fault
+
 logger = logging.getLogger(__name__)
 
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
@@ -103,9 +105,18 @@ def nesting_error_handler(_: Request, exc: RecursionError) -> Response[ErrorBody
 
 
 def as_api_error(exc: Exception, where: str) -> APIError:
-    """The error a caller sees for `exc`: an `APIError` as it is, anything else a logged, opaque 500."""
+    """The error a caller sees for `exc`: an `APIError` as it is; the database out of reach a 503 to retry (logged
+    in one line); anything else a logged, opaque 500."""
     if isinstance(exc, APIError):
         return exc
+    if is_database_fault(exc):
+        logger.warning("database unavailable on %s: %s", where, exc)
+        return APIError(
+            503,
+            "The database is unavailable; retry shortly",
+            code="database_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     logger.error("unhandled error on %s", where, exc_info=exc)
     return APIError(HTTP_500_INTERNAL_SERVER_ERROR, "Internal server error", type="api_error")
 

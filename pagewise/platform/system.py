@@ -3,6 +3,8 @@ the metrics token (`PAGEWISE_METRICS_TOKEN`) or an admin key as its bearer."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -10,6 +12,8 @@ from sqlalchemy import text
 
 from pagewise.platform.keys.auth import authorize_metrics, client_address
 from pagewise.platform.services import Services
+
+READY_TIMEOUT_S = 2.0  # a database that does not answer a `SELECT 1` within this is not ready
 
 
 class Health(msgspec.Struct):
@@ -34,7 +38,7 @@ async def ready(services: Services) -> Response[Readiness]:
     then stops sending requests that could only fail)."""
     model_loaded = services.engine.is_ready()
     try:
-        async with services.sessionmaker() as session:
+        async with asyncio.timeout(READY_TIMEOUT_S), services.sessionmaker() as session:
             await session.execute(text("SELECT 1"))
         database = True
     except Exception:  # noqa: BLE001 - any failure means "not ready"

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagewise.platform.db.faults import is_database_fault
 from pagewise.platform.quotas.quota_store import QuotaStore, Reservation
 from pagewise.platform.requests.store import FinishedRequest, RequestStore, Settled, finished_event
 from pagewise.protocol import (
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
+FINAL_WRITE_PATIENCE_S = 60.0  # how long the final write is retried while the database is out of reach
 Emit = Callable[[Event], Awaitable[None]]
 # A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the terminal event,
 # so that no reader sees it before the reconcile (a client's next request must find its slot free).
@@ -309,10 +311,25 @@ class Execution:
         )
 
     async def _finish(self, result: FinishedRequest) -> Settled | None:
-        """The guarded final write; what it billed if it was this execution's write that finished the row."""
+        """The guarded final write; what it billed if it was this execution's write that finished the row. While
+        the database is out of reach (a restart) it is retried with backoff for up to `FINAL_WRITE_PATIENCE_S`:
+        the tokens are computed, and the row is where they are billed."""
         await self._check_held()
         with self._trace.persisting(result.status) as span:
-            settled = await self._requests.finish(self.request_id, self.submit.tenant_id, self.submit.model, result)
+            deadline, delay = time.monotonic() + FINAL_WRITE_PATIENCE_S, 0.1
+            while True:
+                try:
+                    settled = await self._requests.finish(
+                        self.request_id, self.submit.tenant_id, self.submit.model, result
+                    )
+                    break
+                except Exception as error:
+                    if not is_database_fault(error) or time.monotonic() + delay > deadline:
+                        raise
+                    logger.warning("request %s: final write failed (%s); retrying in %.1f s", self.request_id,
+                                   error, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 5.0)
             span.set_attribute("pagewise.persist.won", settled is not None)
             return settled
 

@@ -8,7 +8,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,56 +27,11 @@ from pagewise.worker.host import EngineHost
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
+from ..fault_proxy import CuttableProxy
 from ..harness import Platform, bearer, chat_body
 from .conftest import with_admin
 
 pytestmark = pytest.mark.anyio
-
-
-class CuttableProxy:
-    """A TCP forwarder to the tests' Redis (`REDIS_URL`). `cut()` closes every connection through it and refuses
-    new ones until `restore()` — what a client sees while Redis restarts."""
-
-    def __init__(self) -> None:
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self._open: set[asyncio.StreamWriter] = set()
-        self._refusing = False
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._refusing:
-            writer.close()
-            return
-        upstream = urlsplit(REDIS_URL)
-        up_reader, up_writer = await asyncio.open_connection(upstream.hostname, upstream.port or 6379)
-        self._open.update((writer, up_writer))
-
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            with suppress(ConnectionError, OSError):
-                while data := await source.read(65536):
-                    sink.write(data)
-                    await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        self._open.difference_update((writer, up_writer))
-
-    def cut(self) -> None:
-        self._refusing = True
-        for writer in list(self._open):
-            writer.close()
-
-    def restore(self) -> None:
-        self._refusing = False
-
-    async def close(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
 
 
 async def served_again(http, key: str, within_s: float) -> float:
@@ -114,7 +69,8 @@ async def worker_behind_proxy(
     """An API replica on the tests' Redis and one worker whose Redis connections all go through a `CuttableProxy`
     (heartbeat 0.2 s); the worker is stopped and waited for afterwards."""
     keys = RedisKeys(redis_key_prefix)
-    proxy = CuttableProxy()
+    upstream = urlsplit(REDIS_URL)
+    proxy = CuttableProxy(upstream.hostname or "127.0.0.1", upstream.port or 6379)
     await proxy.start()
     settings = Settings.from_env(
         {},
