@@ -106,6 +106,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         from pagewise.bench import (
             capacity,
             fairness,
+            faults,
             gemm,
             kernels,
             parallel_sampling,
@@ -117,7 +118,8 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         from pagewise.bench import tracing as tracing_bench
 
         modules = (
-            throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm
+            throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm,
+            faults,
         )
         for module in modules:
             module.register(bench)

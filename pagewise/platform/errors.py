@@ -10,7 +10,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
-from pagewise.platform.db.faults import RETRY_AFTER_S, is_database_fault
+from pagewise.platform.faults import RETRY_AFTER_S, is_database_fault, is_redis_fault
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +105,20 @@ def nesting_error_handler(_: Request, exc: RecursionError) -> Response[ErrorBody
 
 
 def as_api_error(exc: Exception, where: str) -> APIError:
-    """The error a caller sees for `exc`: an `APIError` as it is; the database out of reach a 503 to retry (logged
-    in one line); anything else a logged, opaque 500."""
+    """The error a caller sees for `exc`: an `APIError` as it is; the database or Redis (the quota store) out of
+    reach a 503 to retry (logged in one line); anything else a logged, opaque 500."""
     if isinstance(exc, APIError):
         return exc
-    if is_database_fault(exc):
-        logger.warning("database unavailable on %s: %s", where, exc)
-        return APIError(
-            503,
-            "The database is unavailable; retry shortly",
-            code="database_unavailable",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+    for fault, what, code in (
+        (is_database_fault, "database", "database_unavailable"),
+        (is_redis_fault, "Redis (quotas, hand-over to engines)", "service_unavailable"),
+    ):
+        if fault(exc):
+            logger.warning("%s unavailable on %s: %s", what, where, exc)
+            return APIError(
+                503, "A service this request needs is unavailable; retry shortly", code=code,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
     logger.error("unhandled error on %s", where, exc_info=exc)
     return APIError(HTTP_500_INTERNAL_SERVER_ERROR, "Internal server error", type="api_error")
 

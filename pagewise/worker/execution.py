@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagewise.platform.db.faults import is_database_fault
+from pagewise.platform.faults import is_database_fault
 from pagewise.platform.quotas.quota_store import QuotaStore, Reservation
 from pagewise.platform.requests.store import FinishedRequest, RequestStore, Settled, finished_event
 from pagewise.protocol import (
@@ -363,9 +363,15 @@ class Execution:
         return event
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
+        """Run a best-effort side write (the first-token time); its failure is a warning, never the request's."""
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Future[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.warning("request %s: a side write failed (%s)", self.request_id, error)
 
 
 def _utc(seconds: float) -> dt.datetime:

@@ -22,7 +22,8 @@ Invariants:
   key check and its execution's creation) is remembered by the host and applied when the execution starts.
 - A settlement — the winning execution's reconcile and its terminal event — is one MULTI/EXEC when the quotas
   live in this Redis: the reconcile runs first, and no reader sees the event without it.
-- A Redis fault never ends the worker: reading the inbox, the abort channel, acknowledging a finished Submit,
+- A Redis fault never ends the worker, nor fails a request it runs: reading the inbox, the abort channel,
+  emitting a request's events and settling it (for up to `EMIT_PATIENCE_S`), acknowledging a finished Submit,
   the heartbeat and adoption each retry with backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`). After a failed
   read the worker announces itself again — consumer group (a restarted Redis may have lost the stream), engine
   info, heartbeat — so a Redis that came back empty is served again without a restart of the worker.
@@ -36,10 +37,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from typing import TypeVar
 
 import redis.asyncio as redis
 from redis.asyncio.client import Pipeline, PubSub
 
+from pagewise.platform.faults import is_redis_fault
 from pagewise.platform.quotas.quota_store import Reservation
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import FinishedRequest
@@ -54,6 +57,8 @@ READ_BLOCK_MS = 1000
 EVENTS_MAXLEN = 100_000  # entries kept per request stream (a runaway reader cannot grow Redis without bound)
 EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late readers and reconnects
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
+EMIT_PATIENCE_S = 30.0  # how long a request's event or settlement is retried through Redis faults
+T = TypeVar("T")
 HOLD_MARGIN = 0.5  # an execution asks Redis whether it still holds its Submit when the last hold is this old (in TTLs)
 # KEYS: the streams of the held entries, ARGV: group, consumer, then one entry id per stream. Claims again each
 # entry the consumer still has pending (idle time back to 0, delivery count unchanged); returns 1 per entry
@@ -77,17 +82,9 @@ return held
 """
 
 
-def _is_redis_fault(error: BaseException) -> bool:
-    """A lost or refused connection (a Redis still loading its data included), or a stream or group gone under
-    a read (Redis restarted without its data, or flushed while a read was blocked on it)."""
-    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
-        return True
-    return isinstance(error, redis.ResponseError) and str(error).startswith(("NOGROUP", "UNBLOCKED"))
-
-
 def _log_failure(what: str, error: Exception) -> None:
     """A Redis fault in one line (it is expected while Redis restarts); anything else with its traceback."""
-    if _is_redis_fault(error):
+    if is_redis_fault(error):
         logger.warning("%s failed (%s); retrying at the next beat", what, error)
     else:
         logger.error("%s failed", what, exc_info=error)
@@ -182,7 +179,7 @@ class RedisWorker:
                     return
                 delay = RETRY_MIN_S
             except Exception as error:
-                if not _is_redis_fault(error):
+                if not is_redis_fault(error):
                     raise
                 logger.warning("%s failed (%s); retrying in %.1f s", what, error, delay)
                 await self._pause(delay)
@@ -258,9 +255,12 @@ class RedisWorker:
         stream = self._keys.events(request_id)
 
         async def emit(event: Event) -> None:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                _queue_event(pipe, stream, event)
-                await pipe.execute()
+            async def once() -> None:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    _queue_event(pipe, stream, event)
+                    await pipe.execute()
+
+            await _through_redis_faults(once, f"emitting an event of {request_id}")
 
         return emit
 
@@ -273,12 +273,16 @@ class RedisWorker:
         stream = self._keys.events(request_id)
 
         async def settle(reservation: Reservation, tokens: int, cost: int | None, event: Event) -> None:
-            with reconcile_span(reservation, tokens) as span:
+            async def once() -> bool:
                 async with self._redis.pipeline(transaction=True) as pipe:
                     store.queue_reconcile(pipe, reservation, tokens, cost)
                     _queue_event(pipe, stream, event)
                     reconciled, *_ = await pipe.execute()
-                span.set_attribute("pagewise.quota.reconciled", bool(reconciled))
+                return bool(reconciled)
+
+            with reconcile_span(reservation, tokens) as span:
+                reconciled = await _through_redis_faults(once, f"settling {request_id}")
+                span.set_attribute("pagewise.quota.reconciled", reconciled)
 
         return settle
 
@@ -462,6 +466,22 @@ class RedisWorker:
         await self._emitter(submit.request_id)(finished)
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
+
+
+async def _through_redis_faults(step: Callable[[], Awaitable[T]], what: str) -> T:
+    """`step()`, retried with backoff through Redis faults for up to `EMIT_PATIENCE_S` (a Redis restart): a
+    request's events and settlement wait for Redis instead of failing the request; past that, the fault is
+    raised."""
+    deadline, delay = time.monotonic() + EMIT_PATIENCE_S, RETRY_MIN_S
+    while True:
+        try:
+            return await step()
+        except Exception as error:
+            if not is_redis_fault(error) or time.monotonic() + delay > deadline:
+                raise
+            logger.warning("%s failed (%s); retrying in %.1f s", what, error, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
 
 
 async def _subscribed(pubsub: PubSub, timeout_s: float = 5.0) -> None:

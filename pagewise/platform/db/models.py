@@ -141,6 +141,10 @@ class RequestRecord(Base):
     price_id: Mapped[str | None] = mapped_column(ForeignKey("model_prices.id", ondelete="RESTRICT"))
     body_purged_at: Mapped[dt.datetime | None]
     trace_id: Mapped[str | None] = mapped_column(String(32))  # the request's OpenTelemetry trace, when traced
+    # what admission reserved (tokens, micro-dollars): a month rebuilt from the database counts an unfinished
+    # request at this, since its reservation may be gone with Redis's data and its usage is not billed yet
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    reserved_micros: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
 
 
 class UsageDaily(Base):

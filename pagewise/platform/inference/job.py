@@ -180,6 +180,8 @@ class InferenceJob:
             status="queued",
             lease_expires_at=lease,
             trace_id=tracing.trace_id(),
+            reserved_tokens=reservation.tokens,
+            reserved_micros=reservation.spend,
         )
         try:
             await services.requests.create(record)

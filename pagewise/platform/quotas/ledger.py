@@ -6,6 +6,13 @@ request. A store that has no counter for a scope's current month — a restart o
 flush or data loss, the first request of a month — asks the ledger before it admits anything for that scope,
 and starts the counter there. A key's counter is its budget lineage's (`api_keys.budget_key_id`): the usage
 of every key of its rotations.
+
+The month also counts what is admitted but not billed yet: every unfinished request of the scope queued this
+month, at what admission reserved for it (`requests.reserved_tokens` / `reserved_micros`). A store that lost
+its data lost those requests' reservations too; their usage reaches `usage_daily` when they settle, and their
+reconcile then finds no reservation to adjust, so the counter keeps the reserved amount — an upper bound of
+what they bill. So a rebuilt month never admits more than the budget, at the cost of holding back, until the
+next rebuild, what those requests reserved beyond what they billed.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import datetime as dt
 from sqlalchemy import Connection, bindparam, func, or_, select
 
 from pagewise.platform.db.database import Database
-from pagewise.platform.db.models import ApiKey, UsageDaily
+from pagewise.platform.db.models import ApiKey, RequestRecord, UsageDaily
 from pagewise.platform.quotas.quota_store import MonthToDate, Scope
+from pagewise.platform.requests.store import UNFINISHED_STATUSES
 
 _USAGE = UsageDaily.__table__
 _KEYS = ApiKey.__table__
@@ -28,6 +36,18 @@ _TENANT_TOTALS = _TOTALS.where(_USAGE.c.tenant_id == bindparam("scope_id"))
 _SUCCESSORS = select(_KEYS.c.id).where(_KEYS.c.budget_key_id == bindparam("scope_id"))
 _KEY_TOTALS = _TOTALS.where(
     or_(_USAGE.c.api_key_id == bindparam("scope_id"), _USAGE.c.api_key_id.in_(_SUCCESSORS))
+)
+_ROWS = RequestRecord.__table__
+_IN_FLIGHT = select(
+    func.coalesce(func.sum(_ROWS.c.reserved_tokens), 0), func.coalesce(func.sum(_ROWS.c.reserved_micros), 0)
+).where(
+    _ROWS.c.status.in_([s.value for s in UNFINISHED_STATUSES]),
+    _ROWS.c.queued_at >= bindparam("first_moment"),
+    _ROWS.c.queued_at < bindparam("next_first_moment"),
+)
+_TENANT_IN_FLIGHT = _IN_FLIGHT.where(_ROWS.c.tenant_id == bindparam("scope_id"))
+_KEY_IN_FLIGHT = _IN_FLIGHT.where(
+    or_(_ROWS.c.api_key_id == bindparam("scope_id"), _ROWS.c.api_key_id.in_(_SUCCESSORS))
 )
 
 
@@ -45,11 +65,18 @@ class DatabaseLedger:
 
     async def month_to_date(self, scope: Scope, scope_id: str, month: str) -> MonthToDate:
         first, following = month_days(month)
-        statement = _TENANT_TOTALS if scope == "tenant" else _KEY_TOTALS
-        params = {"scope_id": scope_id, "first_day": first, "next_first_day": following}
+        billed, in_flight = (_TENANT_TOTALS, _TENANT_IN_FLIGHT) if scope == "tenant" else (_KEY_TOTALS, _KEY_IN_FLIGHT)
+        params = {
+            "scope_id": scope_id,
+            "first_day": first,
+            "next_first_day": following,
+            "first_moment": dt.datetime.combine(first, dt.time(), dt.UTC),
+            "next_first_moment": dt.datetime.combine(following, dt.time(), dt.UTC),
+        }
 
         def read(connection: Connection) -> MonthToDate:
-            tokens, spend = connection.execute(statement, params).one()
-            return MonthToDate(tokens=int(tokens), spend=int(spend))
+            tokens, spend = connection.execute(billed, params).one()
+            reserved_tokens, reserved_spend = connection.execute(in_flight, params).one()
+            return MonthToDate(tokens=int(tokens) + int(reserved_tokens), spend=int(spend) + int(reserved_spend))
 
         return await self._database.run(read)

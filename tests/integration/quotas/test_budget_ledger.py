@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
 from pagewise.platform.db.database import Database
-from pagewise.platform.db.models import UsageDaily
+from pagewise.platform.db.models import RequestRecord, UsageDaily
 from pagewise.platform.keys.auth import key_quota
 from pagewise.platform.keys.schemas import KeyCreate
 from pagewise.platform.keys.service import KeyService
@@ -27,6 +27,7 @@ from pagewise.platform.quotas.ledger import DatabaseLedger, month_days
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.quotas.quota_store import KeyQuota, MonthToDate, QuotaLimits, QuotaStore, Scope
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
+from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
@@ -211,3 +212,24 @@ async def test_a_restarted_server_keeps_refusing_a_spent_budget(
         assert refused.status_code == 429, refused.text
         assert "monthly" in refused.json()["error"]["message"].lower()
     assert (await DatabaseLedger(database).month_to_date("tenant", tenant.id, month)).tokens == billed
+
+
+async def test_unfinished_requests_count_at_their_reservation(database: Database, session, redis_key_prefix):
+    """Redis lost its data while a request was in flight: its reservation is gone and its usage not billed yet,
+    so the rebuilt month counts it at what it reserved (a finished one at what it billed) — the budget holds."""
+    tenant = await new_tenant(session)
+    await bill(database, tenant, DAY, 10, 0)
+    queued_at = dt.datetime.fromtimestamp(FROZEN_NOW, dt.UTC)
+    for status, reserved in (("running", 25), ("completed", 1000), ("queued", 3)):
+        await RequestStore(database).create(
+            RequestRecord(id=f"req_{secrets.token_hex(6)}", tenant_id=tenant, endpoint="chat.completions", model="m",
+                          input={}, params={}, status=status, queued_at=queued_at, reserved_tokens=reserved)
+        )
+    assert await DatabaseLedger(database).month_to_date("tenant", tenant, MONTH) == MonthToDate(tokens=38, spend=0)
+    store = RedisQuotaStore.from_url(REDIS_URL, redis_key_prefix, lambda: FROZEN_NOW, ledger=DatabaseLedger(database))
+    limits = QuotaLimits(monthly_token_budget=40)
+    refused = await store.reserve(tenant, limits, 5, "r1")
+    admitted = await store.reserve(tenant, limits, 2, "r2")
+    await store.close()
+    assert (refused.rejected_by, refused.usage.tokens_this_month) == ("monthly_budget", 38)
+    assert admitted.reservation is not None

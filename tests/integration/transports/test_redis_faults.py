@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as redis
 
+from pagewise.bench.fault_proxy import CuttableProxy
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.platform.app import create_app
 from pagewise.platform.keys.key_format import generate_key
@@ -27,7 +28,6 @@ from pagewise.worker.host import EngineHost
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
-from ..fault_proxy import CuttableProxy
 from ..harness import Platform, bearer, chat_body
 from .conftest import with_admin
 

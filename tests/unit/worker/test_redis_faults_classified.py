@@ -1,11 +1,12 @@
-"""Which Redis errors the worker rides out (retry with backoff) and which it raises."""
+"""Which Redis errors are faults (the worker rides them out with backoff, the API answers 503) and which are
+raised as bugs."""
 
 from __future__ import annotations
 
 import pytest
 import redis.asyncio as redis
 
-from pagewise.worker.redis_worker import _is_redis_fault
+from pagewise.platform.faults import is_redis_fault
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,7 @@ from pagewise.worker.redis_worker import _is_redis_fault
     ],
 )
 def test_a_restart_or_a_flush_is_ridden_out(error: Exception) -> None:
-    assert _is_redis_fault(error)
+    assert is_redis_fault(error)
 
 
 @pytest.mark.parametrize(
@@ -31,4 +32,4 @@ def test_a_restart_or_a_flush_is_ridden_out(error: Exception) -> None:
     ],
 )
 def test_anything_else_is_raised(error: Exception) -> None:
-    assert not _is_redis_fault(error)
+    assert not is_redis_fault(error)

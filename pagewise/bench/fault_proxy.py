@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
 from contextlib import suppress
 
 
@@ -50,3 +53,31 @@ class CuttableProxy:
         self.cut()
         if self.server is not None:
             self.server.close()
+
+
+class BackgroundProxy:
+    """A `CuttableProxy` served by an event loop of its own in a daemon thread, for code that is not async (the
+    processes of a stack connect through it while the caller starts them)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._proxy = CuttableProxy(host, port)
+        threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._proxy.start(), self._loop).result(timeout=10)
+        self.port = self._proxy.port
+
+    def cut(self) -> None:
+        """`CuttableProxy.cut`, done when this returns."""
+        self._on_loop(self._proxy.cut)
+
+    def restore(self) -> None:
+        self._on_loop(self._proxy.restore)
+
+    def _on_loop(self, call: Callable[[], None]) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._loop.call_soon_threadsafe(lambda: done.set_result(call()))
+        done.result(timeout=10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._proxy.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
