@@ -294,21 +294,13 @@ def _books(direct_url: str, tenant_ids: list[str], admitted: set[str]) -> dict[s
         if not unfinished or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    with sessions() as session:
-        billed_rows = dict(
-            session.execute(
-                select(RequestRecord.tenant_id, func.sum(RequestRecord.prompt_tokens + RequestRecord.completion_tokens))
-                .where(RequestRecord.tenant_id.in_(tenant_ids))
-                .group_by(RequestRecord.tenant_id)
-            ).all()
-        )
-        usage = dict(
-            session.execute(
-                select(UsageDaily.tenant_id, func.sum(UsageDaily.prompt_tokens + UsageDaily.completion_tokens))
-                .where(UsageDaily.tenant_id.in_(tenant_ids))
-                .group_by(UsageDaily.tenant_id)
-            ).all()
-        )
+    def tokens_by_tenant(table: type[RequestRecord] | type[UsageDaily]) -> dict[str, int]:
+        total = func.sum(table.prompt_tokens + table.completion_tokens)
+        query = select(table.tenant_id, total).where(table.tenant_id.in_(tenant_ids)).group_by(table.tenant_id)
+        with sessions() as session:
+            return dict(session.execute(query).all())
+
+    billed_rows, usage = tokens_by_tenant(RequestRecord), tokens_by_tenant(UsageDaily)
     over = {t: int(usage.get(t) or 0) - int(billed_rows.get(t) or 0) for t in tenant_ids}
     statuses = Counter(rows.get(i, "missing") for i in admitted)
     return {

@@ -62,6 +62,14 @@ async def running_on(worker: RedisWorker, request: Coroutine[Any, Any, httpx.Res
     raise AssertionError("the worker never took the request")
 
 
+async def long_request_running(platform: Platform, worker: RedisWorker) -> tuple[asyncio.Task, str]:
+    """A new tenant's 400-token chat request (EOS ignored) in a task, once the worker runs it; and its id."""
+    _, key = await platform.tenant_with_key()
+    await served_again(platform.http, key, within_s=30)
+    body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
+    return await running_on(worker, platform.http.post("/v1/chat/completions", json=body, headers=bearer(key)))
+
+
 @asynccontextmanager
 async def worker_behind_proxy(
     database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str
@@ -129,11 +137,7 @@ async def test_an_abort_published_while_the_subscription_is_down_still_cancels(
     """The worker's abort subscription is dropped and the abort published before it is made again: nobody hears
     it, but the resubscribed worker finds its key and cancels the running request (it would run to the end)."""
     async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, _, proxy):
-        _, key = await platform.tenant_with_key()
-        await served_again(platform.http, key, within_s=30)
-        body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
-        answer, request_id = await running_on(worker, platform.http.post("/v1/chat/completions", json=body,
-                                                                          headers=bearer(key)))
+        answer, request_id = await long_request_running(platform, worker)
         direct = redis.Redis.from_url(REDIS_URL)
         await direct.client_kill_filter(_type="pubsub")  # the subscription drops; the worker waits ≥ 0.1 s
         await platform.app.state.services.engine.transport.abort(request_id)  # published to no one
@@ -153,11 +157,7 @@ async def test_a_live_workers_submit_is_held_and_a_taken_over_one_is_fenced(
     entry stays the adopter's)."""
     keys = RedisKeys(redis_key_prefix)
     async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, _, _):
-        _, key = await platform.tenant_with_key()
-        await served_again(platform.http, key, within_s=30)
-        body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
-        answer, request_id = await running_on(worker, platform.http.post("/v1/chat/completions", json=body,
-                                                                          headers=bearer(key)))
+        answer, request_id = await long_request_running(platform, worker)
         direct = redis.Redis.from_url(REDIS_URL)
         try:
             await asyncio.sleep(1.5)  # past the TTL (1 s): unheld, the entry would be idle long enough to adopt
