@@ -1,9 +1,10 @@
 """``pagewise bench faults``: the distributed stack under steady load while its parts fail, and the books after.
 
-Real processes on this machine: two `pagewise worker`s and two API replicas (`pagewise serve --workers-external`)
-on a fresh PostgreSQL database and a Redis server of the bench's own (`redis-server` on a free port, nothing
-persisted). Three tenants send streamed chat requests and asynchronous ones (`POST /v1/requests`) to both replicas
-without pause; one tenant has a monthly token budget. Meanwhile, one after the other:
+Real processes on this machine: two `pagewise worker`s, two API replicas (`pagewise serve --workers-external`)
+and a `pagewise jobs worker`, on a fresh PostgreSQL database and a Redis server of the bench's own
+(`redis-server` on a free port, nothing persisted). Three tenants send streamed chat requests and asynchronous
+ones (`POST /v1/requests`) to both replicas without pause; one tenant has a monthly token budget. Meanwhile,
+one after the other:
 
 1. `redis`: Redis is killed and started again, empty (what a restart without persistence does);
 2. `postgres`: every connection to PostgreSQL is cut and new ones are refused for a few seconds (the database's
@@ -16,7 +17,8 @@ After each fault a probe tenant's request is sent every 0.25 s until one succeed
 stops, the bench waits for every admitted request to end, then reads the database: every admitted request must
 have ended exactly once (`lost`: admitted ids whose row is missing or unfinished), the usage rows must equal the
 requests' rows (`double_billed`: tokens in `usage_daily` beyond the rows' sum, per tenant), the budget must hold
-(`budget_exceeded`), and no answer may be a 5xx other than 503.
+(`budget_exceeded`), no answer may be a 5xx other than 503, and the jobs worker, alive through it all, must
+export each tenant's month with the cost its usage rows hold (`exports_matching_usage`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -188,6 +191,69 @@ def fresh_postgres(admin_dsn: str):
             connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextmanager
+def jobs_worker(env: dict[str, str], log_path: Path):
+    """`pagewise jobs worker` (billing exports) on the stack's database and Redis, stopped afterwards."""
+    with log_path.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pagewise.cli", "jobs", "worker", "--concurrency", "1", "--loglevel", "warning"],
+            env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _price(base: str, admin_key: str, model: str) -> None:
+    """A price for the model from now on, so the bills (and the exports) have costs to compare."""
+    import httpx
+
+    body = {"model": model, "input_per_mtok_micros": 150_000, "output_per_mtok_micros": 600_000}
+    httpx.post(f"{base}/admin/prices", json=body, headers={"Authorization": f"Bearer {admin_key}"},
+               timeout=30).raise_for_status()
+
+
+def _exports_match(base: str, admin_key: str, direct_url: str, tenant_ids: list[str]) -> int:
+    """After the run, each tenant's month exported by the jobs worker (which lived through the faults): how many
+    exports arrive within a minute with the cost `usage_daily` holds for the tenant."""
+    import datetime as dt
+
+    import httpx
+    from sqlalchemy import func, select
+
+    from pagewise.jobs.database import session_factory
+    from pagewise.platform.db.models import UsageDaily
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    period = dt.datetime.now(dt.UTC).strftime("%Y-%m")
+    with session_factory(direct_url)() as session:
+        costs = dict(session.execute(
+            select(UsageDaily.tenant_id, func.sum(UsageDaily.cost_micros))
+            .where(UsageDaily.tenant_id.in_(tenant_ids)).group_by(UsageDaily.tenant_id)
+        ).all())
+    for tenant_id in tenant_ids:
+        httpx.post(f"{base}/admin/exports", json={"tenant_id": tenant_id, "period": period}, headers=admin,
+                   timeout=30).raise_for_status()
+    matching: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(matching) < len(tenant_ids) and time.monotonic() < deadline:
+        for tenant_id in set(tenant_ids) - matching:
+            listed = httpx.get(f"{base}/admin/exports", params={"tenant_id": tenant_id, "period": period},
+                               headers=admin, timeout=30).json()
+            revisions = listed["data"] if isinstance(listed, dict) else listed
+            if any(r["total_cost_micros"] == int(costs.get(tenant_id) or 0) for r in revisions):
+                matching.add(tenant_id)
+        time.sleep(1.0)
+    return len(matching)
+
+
 def _tenants(base: str, admin_key: str) -> tuple[list[str], list[str], str]:
     """The load's tenants (the last with a monthly token budget) and a probe tenant: their ids and keys."""
     import httpx
@@ -330,9 +396,11 @@ def run(args: argparse.Namespace) -> int:
         stack_of.callback(proxy.close)
         proxied_url = direct_url.replace(f"@{database.netloc.split('@')[-1]}/", f"@127.0.0.1:{proxy.port}/")
         log("starting 2 workers and 2 API replicas …")
+        exports = {"PAGEWISE_EXPORT_DIR": str(workdir / "exports")}
         stack = stack_of.enter_context(
-            distributed_stack(workdir, proxied_url, engine_args, workers=2, redis_url=redis_url)
+            distributed_stack(workdir, proxied_url, engine_args, workers=2, redis_url=redis_url, env=exports)
         )
+        stack_of.enter_context(jobs_worker({**stack.api_env}, workdir / "jobs.log"))
         second = workdir / "replica-2"
         second.mkdir()
         replica = stack_of.enter_context(local_server(second, proxied_url, ["--workers-external"], env=stack.api_env))
@@ -340,10 +408,12 @@ def run(args: argparse.Namespace) -> int:
         from pagewise.bench._common import served_model
 
         model = served_model(stack.api.base, keys[0], args.model)
+        _price(stack.api.base, stack.api.admin_key, model)
         result = asyncio.run(_drive(stack, replica, keys, probe_key, model, restart_redis, proxy, engine_args,
                                     workdir, args.gap_s))
         admitted = {o.request_id for o in result["load"].outcomes if o.request_id}
         books = _books(direct_url, tenant_ids, admitted)
+        books["exports_matching_usage"] = _exports_match(stack.api.base, stack.api.admin_key, direct_url, tenant_ids)
     outcomes = result["load"].outcomes
     statuses = Counter(str(o.status) for o in outcomes)
     refusals = Counter(f"{o.kind} {o.status} {o.code}" for o in outcomes if o.status not in (200, 202))
@@ -358,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         **books,
     }
     ok = figures["lost"] == 0 and figures["double_billed_tokens"] == 0 and not figures["budget_exceeded"] and \
-        figures["server_errors_other_than_503"] == 0
+        figures["server_errors_other_than_503"] == 0 and figures["exports_matching_usage"] == TENANTS
     figures["ok"] = ok
     if args.json:
         print(json.dumps(figures))

@@ -201,3 +201,35 @@ async def test_a_live_workers_submit_is_held_and_a_taken_over_one_is_fenced(
             answer.cancel()
             await asyncio.gather(answer, return_exceptions=True)
             await direct.aclose()
+
+
+async def test_an_abort_arriving_while_its_submit_is_taken_is_applied(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abort is published after the worker checked the request's `aborted` key and before the execution
+    exists (the subscription hears it, but nothing runs under that id yet): it is remembered and applied when the
+    execution starts, so the request ends `cancelled` instead of running to its end."""
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, _, _):
+        _, key = await platform.tenant_with_key()
+        await served_again(platform.http, key, within_s=30)
+        transport = platform.app.state.services.engine.transport
+        check = worker._redis.exists
+        aborted: list[str] = []
+
+        async def exists_then_abort(*names: str) -> int:
+            found = await check(*names)
+            request_id = names[0].rsplit(":", 1)[-1]
+            if not aborted and names[0].startswith(RedisKeys(redis_key_prefix).aborted("")):
+                aborted.append(request_id)
+                await transport.abort(request_id)
+                await asyncio.sleep(0.3)  # the worker's subscription receives it meanwhile
+            return found
+
+        monkeypatch.setattr(worker._redis, "exists", exists_then_abort)
+        body = chat_body("Count to a thousand", max_tokens=400, ignore_eos=True)
+        answer = await platform.http.post("/v1/chat/completions", json=body, headers=bearer(key))
+        assert answer.status_code == 200, answer.text
+        [request_id] = aborted
+        final = await worker.host.requests.final_state(request_id)
+        assert final is not None and final.status == "cancelled", final
+        assert final.completion_tokens < 400

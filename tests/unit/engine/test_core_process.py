@@ -68,6 +68,9 @@ def test_a_killed_child_fails_every_stream_settles_usage_and_calls_on_dead(confi
     try:
         received, usage = run(main())
         assert usage.prompt_tokens == len(PROMPT) and usage.completion_tokens >= received >= 1
+        deadline = time.monotonic() + 10  # on_dead comes from the engine's thread after every stream was told
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not engine.is_alive() and dead == [engine.error]
         with pytest.raises(EngineDeadError):
             run(tokens_of(engine, PROMPT))
