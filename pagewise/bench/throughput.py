@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagewise.bench._common import progress as log
+
 if TYPE_CHECKING:
     from pagewise import LLM
 
@@ -135,10 +137,9 @@ def run_hf(hf_model, workload: Workload, batch_size: int, sampled: bool = False)
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        print(
+        log(
             f"  hf batch {batch_size}: {min(begin + batch_size, len(workload.prompts))}/{len(workload.prompts)}"
-            f" requests, {time.perf_counter() - start:.0f} s",
-            flush=True,
+            f" requests, {time.perf_counter() - start:.0f} s"
         )
     return time.perf_counter() - start
 
@@ -160,10 +161,9 @@ def run(args: argparse.Namespace) -> int:
         **budget,
     )
     workload = make_workload(num, prompt_range, output_range, llm.engine.arch.vocab_size, seed=args.seed)
-    print(
+    log(
         f"workload: {num} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} "
-        f"output tokens; torch threads {torch.get_num_threads()}",
-        flush=True,
+        f"output tokens; torch threads {torch.get_num_threads()}"
     )
     result: dict[str, object] = {
         "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         roofline_tokens_per_s=roofline,
         roofline_fraction=result["total_tokens_per_s"] / roofline,
     )
-    print(f"engine: {result['engine_tokens_per_s']:.1f} output tok/s", flush=True)
+    log(f"engine: {result['engine_tokens_per_s']:.1f} output tok/s")
     if not args.skip_hf:
         hf_model = load_hf_model(args.model)
         hf = {b: workload.num_output_tokens / run_hf(hf_model, workload, b, args.sampled) for b in batch_sizes}
