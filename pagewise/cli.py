@@ -93,8 +93,12 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     `pagewise serve --workers-external` (an API replica) and the admin commands never need."""
     parser = argparse.ArgumentParser(prog="pagewise", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen = commands.add_parser(
+        "generate", help="generate completions for prompts",
+        description="Each PROMPT argument is one prompt, batched together: quote a prompt that has spaces "
+        "(`pagewise generate \"Hello world\"` is one prompt, `pagewise generate Hello world` two).",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="one prompt per argument (quote spaces)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

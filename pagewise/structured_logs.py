@@ -57,6 +57,9 @@ class ConsoleFormatter(logging.Formatter):
         return f"{line} [trace {fields['trace_id']}]" if fields else line
 
 
+QUIET_LOGGERS = ("alembic.runtime.plugins",)  # one INFO line per Alembic plugin at import
+
+
 def configure_logging(
     level: str | int = "INFO", stream: TextIO | None = None, *, json_lines: bool | None = None
 ) -> None:
@@ -70,3 +73,5 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    for name in QUIET_LOGGERS:  # chatter about a library's own set-up, not about what pagewise does
+        logging.getLogger(name).setLevel(logging.WARNING)

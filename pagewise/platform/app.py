@@ -7,7 +7,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -33,7 +32,7 @@ from pagewise.platform.keys.auth import UNGUARDED_PATHS, ApiKeyAuthMiddleware
 from pagewise.platform.keys.controllers import KeyController
 from pagewise.platform.keys.service import KeyService
 from pagewise.platform.openapi import describe_errors, openapi_config
-from pagewise.platform.paths import data_dir
+from pagewise.platform.paths import admin_key_file
 from pagewise.platform.quotas.ledger import DatabaseLedger
 from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.quotas.quota_store import MonthLedger, QuotaStore
@@ -132,12 +131,7 @@ def build_quota_store(settings: Settings, ledger: MonthLedger) -> QuotaStore:
     return InProcessQuotaStore(lease_s=settings.quota_lease_s, ledger=ledger)
 
 
-def admin_key_file() -> Path:
-    """Where a generated bootstrap admin key is written when there is no terminal to show it on."""
-    return data_dir() / "admin-key"
-
-
-def announce_admin_key(key: str) -> None:
+def announce_admin_key(key: str, database_url: str) -> None:
     """Show a generated admin key once: on the controlling terminal, never in a log stream.
 
     Without a terminal (a container, a supervisor), the key goes to a file only its owner can read and the log
@@ -156,7 +150,7 @@ def announce_admin_key(key: str) -> None:
         return
     except OSError:
         pass
-    path = admin_key_file()
+    path = admin_key_file(database_url)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as file:
@@ -200,7 +194,7 @@ def create_app(
             async with sessionmaker() as session:
                 created = await KeyService(session).bootstrap_admin(settings.admin_key)
             if created is not None and settings.admin_key is None:
-                announce_admin_key(created.key)
+                announce_admin_key(created.key, settings.database_url)
             elif created is not None:
                 logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
             await transport.start()

@@ -25,13 +25,26 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
+# the code of an error raised without one: OpenAI's where it has one, ours where not — never null
+_CODE_BY_STATUS = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: str
 
 
 class ErrorBody(msgspec.Struct):
@@ -39,7 +52,8 @@ class ErrorBody(msgspec.Struct):
 
 
 class APIError(Exception):
-    """An error for the caller. Raising it changes no state; the handler renders it in OpenAI's shape."""
+    """An error for the caller. Raising it changes no state; the handler renders it in OpenAI's shape. Its `code`
+    is never null: without one given, the status's (`_CODE_BY_STATUS`)."""
 
     def __init__(
         self,
@@ -54,7 +68,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.code = code
+        self.code = code or _CODE_BY_STATUS.get(status_code, "api_error")
         self.param = param
         self.type = type or _TYPE_BY_STATUS.get(status_code, "api_error")
         self.headers = headers or {}
@@ -95,8 +109,7 @@ def validation_error_handler(_: Request, exc: ValidationException) -> Response[E
 
 
 def http_error_handler(_: Request, exc: HTTPException) -> Response[ErrorBody]:
-    code = {413: "request_too_large", 405: "method_not_allowed", 404: "not_found"}.get(exc.status_code)
-    return error_response(APIError(exc.status_code, exc.detail, code=code, headers=exc.headers))
+    return error_response(APIError(exc.status_code, exc.detail, headers=exc.headers))
 
 
 def nesting_error_handler(_: Request, exc: RecursionError) -> Response[ErrorBody]:

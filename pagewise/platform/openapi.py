@@ -48,7 +48,7 @@ _ERROR_DETAIL = Schema(
         "message": Schema(type=OpenAPIType.STRING),
         "type": Schema(type=OpenAPIType.STRING),
         "param": Schema(one_of=[Schema(type=OpenAPIType.STRING), Schema(type=OpenAPIType.NULL)]),
-        "code": Schema(one_of=[Schema(type=OpenAPIType.STRING), Schema(type=OpenAPIType.NULL)]),
+        "code": Schema(type=OpenAPIType.STRING, description="never null: OpenAI's code where it has one"),
     },
 )
 _ERROR_BODY = Schema(

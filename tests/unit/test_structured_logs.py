@@ -69,3 +69,19 @@ def test_on_a_terminal_lines_are_readable_and_name_the_trace(restore_logging: No
     line = stream.getvalue().strip()
     assert " DEBUG pagewise.test: hello [trace " in line
     assert line.endswith(f"{format_trace_id(span.get_span_context().trace_id)}]")
+
+
+def test_a_process_start_prints_no_alembic_plugin_lines() -> None:
+    """`pagewise worker` and `serve` used to open with seven INFO lines of Alembic's plugin set-up."""
+    import subprocess
+    import sys
+
+    script = (
+        "from pagewise.structured_logs import configure_logging\n"
+        "configure_logging('INFO')\n"
+        "from pagewise.platform.db.migrate import upgrade_head\n"
+        "import logging; logging.getLogger('pagewise').info('started')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "started" in run.stderr
+    assert "alembic.runtime.plugins" not in run.stderr

@@ -77,6 +77,11 @@ class ChoiceState:
         return "".join(self.text)
 
 
+def new_request_id(endpoint: str) -> str:
+    """A request's id in OpenAI's shape for its endpoint: `chatcmpl-…` or `cmpl-…`."""
+    return new_id(_ID_PREFIX[endpoint], separator="-")
+
+
 def engine_error(error: ErrorInfo) -> APIError:
     """The HTTP error for an engine-side refusal or failure."""
     if error.code is ErrorCode.INVALID_REQUEST:
@@ -149,7 +154,7 @@ class InferenceJob:
                 code="model_not_allowed",
                 param="model",
             )
-        request_id = new_id(_ID_PREFIX[prepared.endpoint])
+        request_id = new_request_id(prepared.endpoint)
         tokens, slots = prepared.reserved_tokens, prepared.num_sequences
         key = principal.key_quota
         rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement

@@ -268,7 +268,8 @@ def _sampling_params(
     tenant_cap = principal.max_tokens_per_request
     if max_tokens is not None and tenant_cap is not None and max_tokens > tenant_cap:
         raise invalid_request(
-            f"max_tokens={max_tokens} exceeds this tenant's limit of {tenant_cap}", param="max_tokens"
+            f"max_tokens={max_tokens} exceeds this tenant's limit of {tenant_cap}", param="max_tokens",
+            code=REQUEST_EXCEEDS_LIMIT,
         )
     longest = max(len(p) for p in prompts)
     window = engine.max_model_len

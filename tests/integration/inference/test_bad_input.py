@@ -23,6 +23,7 @@ def _assert_error(response, status: int, code: str | None = None, param: str | N
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert isinstance(error["code"], str) and error["code"]  # never null: OpenAI's code, or ours
     if code is not None:
         assert error["code"] == code
     if param is not None:
@@ -32,16 +33,16 @@ def _assert_error(response, status: int, code: str | None = None, param: str | N
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "param"),
     [
-        ("/v1/chat/completions", b"{not json", 400, None, None),
+        ("/v1/chat/completions", b"{not json", 400, "invalid_request", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, None, "messages"),
         ("/v1/chat/completions", {"model": MODEL}, 400, None, "messages"),
         ("/v1/chat/completions", chat_body(temperature="hot"), 400, None, "temperature"),
-        ("/v1/chat/completions", chat_body(temperature=-1), 400, None, None),
+        ("/v1/chat/completions", chat_body(temperature=-1), 400, "invalid_request", None),
         ("/v1/chat/completions", chat_body(model="gpt-4o"), 404, "model_not_found", "model"),
         ("/v1/chat/completions", chat_body(content="hello " * 600), 400, "context_length_exceeded", None),
         ("/v1/chat/completions", chat_body(max_tokens=490), 400, "context_length_exceeded", None),
         ("/v1/chat/completions", chat_body(n=3), 400, None, "n"),
-        ("/v1/chat/completions", chat_body(max_tokens=501), 400, None, "max_tokens"),
+        ("/v1/chat/completions", chat_body(max_tokens=501), 400, "request_exceeds_limit", "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, None, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, None, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, None, None),

@@ -26,7 +26,7 @@ async def test_chat_completion(platform: Platform) -> None:
     assert response.status_code == 200, response.text
     body = response.json()
     assert (
-        body["object"] == "chat.completion" and body["model"] == MODEL and body["id"].startswith("chatcmpl")
+        body["object"] == "chat.completion" and body["model"] == MODEL and body["id"].startswith("chatcmpl-")
     )
     [choice] = body["choices"]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"]

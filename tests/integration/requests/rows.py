@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
-
-PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
+from pagewise.platform.inference.job import new_request_id
 
 
 def request_row(
@@ -15,7 +13,7 @@ def request_row(
 ) -> RequestRecord:
     """A row as admission writes it (prompt `Hi`, model `m`), queued at `queued_at`."""
     return RequestRecord(
-        id=new_id(PREFIX[endpoint]),
+        id=new_request_id(endpoint),
         tenant_id=tenant_id,
         endpoint=endpoint,
         model="m",
