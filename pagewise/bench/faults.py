@@ -215,7 +215,7 @@ def _price(base: str, admin_key: str, model: str) -> None:
     """A price for the model from now on, so the bills (and the exports) have costs to compare."""
     import httpx
 
-    body = {"model": model, "input_per_mtok_micros": 150_000, "output_per_mtok_micros": 600_000}
+    body = {"model": model, "input": 0.15, "output": 0.6}
     httpx.post(f"{base}/admin/prices", json=body, headers={"Authorization": f"Bearer {admin_key}"},
                timeout=30).raise_for_status()
 

@@ -58,6 +58,7 @@ EVENTS_MAXLEN = 100_000  # entries kept per request stream (a runaway reader can
 EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late readers and reconnects
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
 EMIT_PATIENCE_S = 30.0  # how long a request's event or settlement is retried through Redis faults
+STOP_GRACE_S = 60.0  # on stop, in-flight requests run this long to their end; the rest are left for adoption
 T = TypeVar("T")
 HOLD_MARGIN = 0.5  # an execution asks Redis whether it still holds its Submit when the last hold is this old (in TTLs)
 # KEYS: the streams of the held entries, ARGV: group, consumer, then one entry id per stream. Claims again each
@@ -126,7 +127,7 @@ class RedisWorker:
 
     async def run(self) -> None:
         """Serve until `stop()`: announce, heartbeat, listen for aborts, adopt dead workers, consume the inbox.
-        On stop, in-flight requests run to their end first."""
+        On stop, in-flight requests run to their end first (bounded: `_finish_inflight`)."""
         await self._announce()
         self.host.start()
         tasks = [
@@ -138,13 +139,25 @@ class RedisWorker:
         try:
             await self._serve_inbox()
         finally:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            await self._finish_inflight()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with suppress(redis.RedisError):  # Redis down: the key expires by itself
                 await self._redis.delete(self._keys.alive(self.worker_id))  # others adopt what is left in the inbox
-            await self.host.drain()
+
+    async def _finish_inflight(self) -> None:
+        """In-flight requests run to their end for up to `STOP_GRACE_S`; one still running then is cancelled, and
+        stays for another worker: its row unfinished, its Submit never acknowledged, so it is adopted (and run
+        anew, billed once) when this worker's heartbeat is gone. The stop is bounded either way."""
+        if self._inflight:
+            _, left = await asyncio.wait(list(self._inflight), timeout=STOP_GRACE_S)
+            if left:
+                logger.warning("stopping with %d requests still running; they are left for adoption", len(left))
+                for task in left:
+                    task.cancel()
+                await asyncio.gather(*left, return_exceptions=True)
+        await self.host.drain()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -168,11 +181,12 @@ class RedisWorker:
         *,
         repeat: bool = True,
     ) -> None:
-        """Run `step` again and again until `stop()` (`repeat=False`: until it succeeds once); after a Redis fault
-        wait (backoff from `RETRY_MIN_S` doubling to `RETRY_MAX_S`, reset by a step that succeeds), then try
-        `recover` once (its own failure is the next step's fault). Any other error is raised."""
+        """Run `step` again and again until `stop()` (`repeat=False`: until it succeeds once, tried at least once
+        even after `stop()`); after a Redis fault wait (backoff from `RETRY_MIN_S` doubling to `RETRY_MAX_S`, reset
+        by a step that succeeds), then try `recover` once (its own failure is the next step's fault). Any other
+        error is raised."""
         delay = RETRY_MIN_S
-        while not self._stopping.is_set():
+        while not (repeat and self._stopping.is_set()):
             try:
                 await step()
                 if not repeat:
@@ -181,6 +195,9 @@ class RedisWorker:
             except Exception as error:
                 if not is_redis_fault(error):
                     raise
+                if self._stopping.is_set():
+                    logger.warning("%s failed (%s) while stopping; left to the other workers", what, error)
+                    return
                 logger.warning("%s failed (%s); retrying in %.1f s", what, error, delay)
                 await self._pause(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
@@ -234,14 +251,17 @@ class RedisWorker:
             self._taking.discard(request_id)
 
         async def finish() -> None:
-            superseded = False
+            left = False  # the entry is another worker's (now or after this one stops): acknowledging drops it
             try:
                 await task
             except Superseded:
-                superseded = True  # the entry is the adopter's now: acknowledging it would drop its Submit
+                left = True
                 logger.warning("request %s was taken over by another worker; this attempt stopped", request_id)
+            except asyncio.CancelledError:
+                left = True  # a stop past its grace: the Submit stays pending for adoption
+                raise
             finally:
-                if not superseded:
+                if not left:
                     # a fault at this moment must not lose the ack: retried until `stop()`; an entry left pending
                     # then is rerun by an adopter and answered from its final row (never billed twice)
                     await self._riding_out_faults(lambda: self._ack(stream, entry_id), "acknowledging", repeat=False)

@@ -1,6 +1,7 @@
 """`pagewise prices list | set` — registered into the top-level CLI by `register`.
 
-Prices on the command line are dollars per million tokens (`--input 0.15`), converted exactly to micro-dollars.
+Prices on the command line are dollars per million tokens (`--input 0.15`), as in `POST /admin/prices`
+(`{"input": 0.15}`); the price service converts both exactly to micro-dollars.
 """
 
 from __future__ import annotations
@@ -27,15 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     set_price.add_argument("--effective-from", help="ISO-8601 datetime, UTC unless it has an offset (default: now)")
 
 
-def _dollars(value: str, flag: str) -> int:
-    from pagewise.platform.billing.money import parse_dollars
-
-    try:
-        return parse_dollars(value, flag)
-    except ValueError as error:
-        raise invalid_request(str(error), param=flag) from None
-
-
 def _moment(value: str) -> dt.datetime:
     try:
         return dt.datetime.fromisoformat(value.strip())
@@ -48,14 +40,14 @@ def _moment(value: str) -> dt.datetime:
 
 def _print_price(price: Any) -> None:
     from pagewise.platform.billing.money import format_dollars
-    from pagewise.platform.billing.prices import price_out
+    from pagewise.platform.db.models import as_utc
 
-    out = price_out(price)
+    effective_from = as_utc(price.effective_from)
     print(
-        f"{out.id}  {out.model}  from {out.effective_from.isoformat(timespec='seconds')}"
-        f"  input ${format_dollars(out.input_per_mtok_micros)}"
-        f"  cached ${format_dollars(out.cached_input_per_mtok_micros)}"
-        f"  output ${format_dollars(out.output_per_mtok_micros)}  per 1M tokens"
+        f"{price.id}  {price.model}  from {effective_from.isoformat(timespec='seconds')}"
+        f"  input ${format_dollars(price.input_per_mtok_micros)}"
+        f"  cached ${format_dollars(price.cached_input_per_mtok_micros)}"
+        f"  output ${format_dollars(price.output_per_mtok_micros)}  per 1M tokens"
     )
 
 
@@ -70,12 +62,11 @@ async def _prices_set(session: Any, args: argparse.Namespace) -> None:
     from pagewise.platform.billing.prices import PriceService
     from pagewise.platform.billing.schemas import PriceCreate
 
-    cached = None if args.cached_input is None else _dollars(args.cached_input, "--cached-input")
-    data = PriceCreate(
+    data = PriceCreate(  # the API's names and units: dollars per million tokens, checked by the service
         model=args.model,
-        input_per_mtok_micros=_dollars(args.input, "--input"),
-        output_per_mtok_micros=_dollars(args.output, "--output"),
-        cached_input_per_mtok_micros=cached,
+        input=args.input,
+        output=args.output,
+        cached_input=args.cached_input,
         effective_from=None if args.effective_from is None else _moment(args.effective_from),
     )
     _print_price(await PriceService(session).create(data))

@@ -15,16 +15,14 @@ from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.billing.money import micros_for
-from pagewise.platform.billing.schemas import MAX_PRICE_MICROS, PriceCreate, PriceOut
+from pagewise.platform.billing.money import MICROS_PER_DOLLAR, micros_for, parse_dollars
+from pagewise.platform.billing.schemas import MAX_PRICE_MICROS, Dollars, PriceCreate, PriceOut
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ModelPrice, as_utc, utcnow
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.quotas.quota_store import SpendRate
 from pagewise.platform.tenants.names import clean_name
-
-_PRICE_FIELDS = ("input_per_mtok_micros", "cached_input_per_mtok_micros", "output_per_mtok_micros")
 
 
 class PriceTerms(Protocol):
@@ -75,35 +73,50 @@ async def current_rate(database: Database, model: str, prompt_tokens: int) -> Sp
 
 
 def price_out(price: ModelPrice) -> PriceOut:
-    """The body for `price`; timestamps in UTC whichever database handed them back."""
-    out = PriceOut(**{f: getattr(price, f) for f in PriceOut.__struct_fields__})
-    out.effective_from, out.created_at = as_utc(out.effective_from), as_utc(out.created_at)
-    return out
+    """The body for `price`, in dollars; timestamps in UTC whichever database handed them back."""
+    return PriceOut(
+        id=price.id,
+        model=price.model,
+        input=price.input_per_mtok_micros / MICROS_PER_DOLLAR,
+        cached_input=price.cached_input_per_mtok_micros / MICROS_PER_DOLLAR,
+        output=price.output_per_mtok_micros / MICROS_PER_DOLLAR,
+        effective_from=as_utc(price.effective_from),
+        created_at=as_utc(price.created_at),
+    )
+
+
+def to_micros(value: Dollars, field: str) -> int:
+    """Dollars per million tokens (a JSON number or a decimal string) as exact micro-dollars, or a 400 naming
+    `field`. A number is read by its shortest decimal form (`0.15`, not the binary float's expansion), so any
+    amount with at most 6 decimals converts exactly."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise invalid_request(f"{field} must be a number of dollars per million tokens; got {value!r}", param=field)
+    try:
+        micros = parse_dollars(value if isinstance(value, str) else repr(value), field)
+    except ValueError as error:
+        raise invalid_request(str(error), param=field) from None
+    if not 0 <= micros <= MAX_PRICE_MICROS:
+        raise invalid_request(
+            f"{field} must be dollars per million tokens from 0 to {MAX_PRICE_MICROS // MICROS_PER_DOLLAR:,};"
+            f" got {value!r}",
+            param=field,
+        )
+    return micros
 
 
 def _checked(data: PriceCreate, now: dt.datetime) -> dict[str, object]:
     """The row's values, or a 400 naming the first field that is wrong (bodies built in code, e.g. by the CLI,
     get the same checks as decoded ones)."""
+    input_micros = to_micros(data.input, "input")
+    cached_micros = input_micros if data.cached_input is None else to_micros(data.cached_input, "cached_input")
+    if cached_micros > input_micros:
+        raise invalid_request("cached_input must not exceed input", param="cached_input")
     values: dict[str, object] = {
         "model": clean_name(data.model, param="model"),
-        "input_per_mtok_micros": data.input_per_mtok_micros,
-        "cached_input_per_mtok_micros": (
-            data.input_per_mtok_micros if data.cached_input_per_mtok_micros is None
-            else data.cached_input_per_mtok_micros
-        ),
-        "output_per_mtok_micros": data.output_per_mtok_micros,
+        "input_per_mtok_micros": input_micros,
+        "cached_input_per_mtok_micros": cached_micros,
+        "output_per_mtok_micros": to_micros(data.output, "output"),
     }
-    for field in _PRICE_FIELDS:
-        value = values[field]
-        if not isinstance(value, int) or not 0 <= value <= MAX_PRICE_MICROS:
-            raise invalid_request(
-                f"{field} must be an integer number of micro-dollars from 0 to {MAX_PRICE_MICROS:,}; got {value!r}",
-                param=field,
-            )
-    if values["cached_input_per_mtok_micros"] > values["input_per_mtok_micros"]:  # type: ignore[operator]
-        raise invalid_request(
-            "cached_input_per_mtok_micros must not exceed input_per_mtok_micros", param="cached_input_per_mtok_micros"
-        )
     effective_from = now if data.effective_from is None else as_utc(data.effective_from).astimezone(dt.UTC)
     if effective_from < now:
         raise invalid_request(

@@ -1,33 +1,39 @@
-"""Price bodies: integer micro-dollars per million tokens. Request bodies reject unknown fields."""
+"""Price bodies, for people: dollars per million tokens under the CLI's names (`input`, `cached_input`, `output`).
+
+A price in a request is a JSON number or a decimal string with at most 6 decimals (a whole micro-dollar); the
+service converts it exactly to the integer micro-dollars the table stores, and a response gives them back as
+dollars. Request bodies reject unknown fields.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated
 
 import msgspec
 
 MAX_PRICE_MICROS = 1_000_000_000_000  # $1,000,000 per million tokens: costs stay far inside 64 bits
-PriceMicros = Annotated[int, msgspec.Meta(ge=0, le=MAX_PRICE_MICROS)]
+Dollars = float | str  # dollars per million tokens; checked and converted by `prices.to_micros`
 
 
 class PriceCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A new price version for `model`. `cached_input_per_mtok_micros` defaults to the input price and may not
-    exceed it; `effective_from` (no offset means UTC) defaults to now and may not lie in the past, so a new
+    """A new price version for `model`, in dollars per million tokens. `cached_input` defaults to `input` and may
+    not exceed it; `effective_from` (no offset means UTC) defaults to now and may not lie in the past, so a new
     price never changes a cost already billed."""
 
     model: str
-    input_per_mtok_micros: PriceMicros
-    output_per_mtok_micros: PriceMicros
-    cached_input_per_mtok_micros: PriceMicros | None = None
+    input: Dollars
+    output: Dollars
+    cached_input: Dollars | None = None
     effective_from: dt.datetime | None = None
 
 
 class PriceOut(msgspec.Struct, kw_only=True):
+    """A price version, in dollars per million tokens (exact: each is a whole number of micro-dollars)."""
+
     id: str
     model: str
-    input_per_mtok_micros: int
-    cached_input_per_mtok_micros: int
-    output_per_mtok_micros: int
+    input: float
+    cached_input: float
+    output: float
     effective_from: dt.datetime
     created_at: dt.datetime

@@ -6,11 +6,12 @@ from typing import Any
 
 from ..harness import MODEL, Platform, bearer
 
-PRICE = {
-    "input_per_mtok_micros": 2_000_000,
-    "cached_input_per_mtok_micros": 1_000_000,
-    "output_per_mtok_micros": 8_000_000,
-}
+PRICE = {"input": 2, "cached_input": 1, "output": 8}  # dollars per million tokens, as the API takes them
+
+
+def micros(price: dict[str, Any], field: str) -> int:
+    """A price field of `PRICE` or of a price body (dollars per million tokens) in micro-dollars."""
+    return round(price[field] * 1_000_000)
 
 
 async def ensure_price(platform: Platform) -> dict[str, Any]:

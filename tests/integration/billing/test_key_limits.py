@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pagewise.platform.db.models import ApiKey, RequestRecord
 
 from ..harness import MODEL, Platform, bearer, chat_body
-from .prices import ensure_price
+from .prices import ensure_price, micros
 
 pytestmark = pytest.mark.anyio
 
@@ -121,7 +121,7 @@ async def test_concurrent_requests_never_overspend_a_small_dollar_budget(
     prompt_tokens = await session.scalar(
         select(RequestRecord.prompt_tokens).where(RequestRecord.tenant_id == probe_tenant["id"])
     )
-    reserved = (prompt_tokens * price["input_per_mtok_micros"] + 8 * price["output_per_mtok_micros"]) // 10**6
+    reserved = (prompt_tokens * micros(price, "input") + 8 * micros(price, "output")) // 10**6
     budget = 2 * reserved + reserved // 2  # two reservations fit at a time, never three
     tenant = await platform.create_tenant(monthly_spend_budget_micros=budget)
     key = await platform.create_key(tenant["id"])

@@ -1,5 +1,5 @@
 """`/admin/prices` and `pagewise prices`: versions are added, never changed; bad input is a clear error that
-writes nothing; the CLI takes dollars and stores exact micro-dollars."""
+writes nothing; both take the same names and units (dollars per million tokens) and store exact micro-dollars."""
 
 from __future__ import annotations
 
@@ -29,18 +29,19 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
     model, admin = _model(), bearer(platform.admin_key)
     later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=30)).replace(microsecond=0)
     first = await platform.http.post(
-        "/admin/prices", json={"model": model, "input_per_mtok_micros": 150_000, "output_per_mtok_micros": 600_000},
-        headers=admin,
+        "/admin/prices", json={"model": model, "input": 0.15, "output": "0.6"}, headers=admin
     )
     assert first.status_code == 201, first.text
-    assert first.json()["cached_input_per_mtok_micros"] == 150_000  # defaults to the input price
+    assert {k: first.json()[k] for k in ("input", "cached_input", "output")} == {  # cached defaults to input
+        "input": 0.15, "cached_input": 0.15, "output": 0.6
+    }
     second = await platform.http.post(
         "/admin/prices",
         json={
             "model": model,
-            "input_per_mtok_micros": 100_000,
-            "cached_input_per_mtok_micros": 50_000,
-            "output_per_mtok_micros": 400_000,
+            "input": 0.1,
+            "cached_input": 0.05,
+            "output": 0.4,
             "effective_from": later.isoformat(),
         },
         headers=admin,
@@ -55,10 +56,14 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
     ("change", "param", "status"),
     [
         ({"effective_from": "2000-01-01T00:00:00Z"}, "effective_from", 400),
-        ({"cached_input_per_mtok_micros": 200_000}, "cached_input_per_mtok_micros", 400),
-        ({"input_per_mtok_micros": -1}, "input_per_mtok_micros", 400),
-        ({"output_per_mtok_micros": 1.5}, "output_per_mtok_micros", 400),
-        ({"output_per_mtok_micros": "600000"}, "output_per_mtok_micros", 400),
+        ({"cached_input": 0.2}, "cached_input", 400),
+        ({"input": -1}, "input", 400),
+        ({"output": 0.0000001}, "output", 400),  # finer than a micro-dollar
+        ({"output": "0.1234567"}, "output", 400),
+        ({"output": "six"}, "output", 400),
+        ({"output": 2_000_000}, "output", 400),  # over $1,000,000 per million tokens
+        ({"output": True}, "output", 400),
+        ({"output_per_mtok_micros": 400_000}, "output_per_mtok_micros", 400),  # micro-dollars are storage only
         ({"model": "  "}, "model", 400),
         ({"currency": "eur"}, "currency", 400),
     ],
@@ -67,7 +72,7 @@ async def test_bad_prices_are_400s_naming_the_field_and_write_nothing(
     platform: Platform, change: dict, param: str, status: int
 ) -> None:
     model = _model()
-    body = {"model": model, "input_per_mtok_micros": 100_000, "output_per_mtok_micros": 400_000, **change}
+    body = {"model": model, "input": 0.1, "output": 0.4, **change}
     response = await platform.http.post("/admin/prices", json=body, headers=bearer(platform.admin_key))
     assert (response.status_code, response.json()["error"]["param"]) == (status, param), response.text
     assert await _prices(platform, model) == []
@@ -75,7 +80,7 @@ async def test_bad_prices_are_400s_naming_the_field_and_write_nothing(
 
 async def test_same_model_and_moment_is_a_409(platform: Platform) -> None:
     when = (dt.datetime.now(dt.UTC) + dt.timedelta(days=1)).isoformat()
-    body = {"model": _model(), "input_per_mtok_micros": 1, "output_per_mtok_micros": 2, "effective_from": when}
+    body = {"model": _model(), "input": 1, "output": 2, "effective_from": when}
     admin = bearer(platform.admin_key)
     assert (await platform.http.post("/admin/prices", json=body, headers=admin)).status_code == 201
     clash = await platform.http.post("/admin/prices", json=body, headers=admin)
@@ -112,6 +117,15 @@ def pagewise_cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pyt
     return run
 
 
+async def test_a_price_reads_back_exactly_as_it_was_set(platform: Platform) -> None:
+    """Every amount with at most 6 decimals survives the number → micro-dollars → number round trip."""
+    model, admin = _model(), bearer(platform.admin_key)
+    body = {"model": model, "input": 123456.654321, "cached_input": "0.000001", "output": 999999.999999}
+    created = await platform.http.post("/admin/prices", json=body, headers=admin)
+    assert created.status_code == 201, created.text
+    assert [created.json()[k] for k in ("input", "cached_input", "output")] == [123456.654321, 0.000001, 999999.999999]
+
+
 def test_cli_sets_and_lists_prices_in_dollars(pagewise_cli) -> None:
     model = _model()
     code, out, _ = pagewise_cli("prices", "set", model, "--input", "0.15", "--output", "0.6", "--cached-input", "0.075")
@@ -120,7 +134,7 @@ def test_cli_sets_and_lists_prices_in_dollars(pagewise_cli) -> None:
     assert code == 0 and len(out) == 1 and model in out[0]
     code, _, err = pagewise_cli("prices", "set", model, "--input", "0.1234567", "--output", "1")
     assert code == 1 and err == [
-        "error: --input must be a non-negative dollar amount with at most 6 decimals; got '0.1234567'"
+        "error: input must be a non-negative dollar amount with at most 6 decimals; got '0.1234567'"
     ]
     code, _, err = pagewise_cli("prices", "set", model, "--input", "1", "--output", "1", "--effective-from", "soon")
     assert code == 1 and "--effective-from must be an ISO-8601 datetime" in err[0]

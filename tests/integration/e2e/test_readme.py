@@ -176,8 +176,8 @@ def test_the_billing_commands_work_as_written(server: LocalServer, tmp_path: Pat
     posted = httpx.post(f"{server.base}/admin/prices", json=price, headers=admin, timeout=30)
     assert posted.status_code == 201, posted.text
     listed = httpx.get(f"{server.base}/admin/prices", params={"model": MODEL}, headers=admin, timeout=30).json()
-    prices = [{k: v for k, v in version.items() if k.endswith("_micros")} for version in listed]
-    assert len(prices) == 2 and prices[0] == prices[1]  # the CLI's dollars, the API's micro-dollars: one price
+    prices = [{k: version[k] for k in ("input", "cached_input", "output")} for version in listed]
+    assert len(prices) == 2 and prices[0] == prices[1]  # the CLI's line and the API's body: one price
     grouping = re.search(r"\?group_by=(\w+)", README.read_text())
     assert grouping, "the README names no usage grouping"
     usage = httpx.get(f"{server.base}/admin/usage?group_by={grouping.group(1)}", headers=admin, timeout=30)

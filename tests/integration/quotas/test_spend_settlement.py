@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.quotas.quota_store import QuotaStore
 
-from ..billing.prices import PRICE, ensure_price
+from ..billing.prices import PRICE, ensure_price, micros
 from ..harness import Platform, bearer, chat_body
 
 pytestmark = pytest.mark.anyio
@@ -40,7 +40,7 @@ async def test_settled_spend_is_the_sum_of_the_bills(platform: Platform, session
     rows = (await session.scalars(select(RequestRecord).where(RequestRecord.tenant_id == tenant["id"]))).all()
     assert len(rows) == 3 and any(r.cached_tokens for r in rows)
     estimates = [
-        (r.prompt_tokens * PRICE["input_per_mtok_micros"] + r.completion_tokens * PRICE["output_per_mtok_micros"]
+        (r.prompt_tokens * micros(PRICE, "input") + r.completion_tokens * micros(PRICE, "output")
          + 500_000) // 10**6
         for r in rows
     ]

@@ -76,6 +76,29 @@ async def served(
                 yield platform
         finally:
             worker.stop()
-            await running
+            await _within(running, STOP_TIMEOUT_S)
             await client.aclose()
-    await quotas.close()
+
+
+STOP_TIMEOUT_S = 120.0  # the worker's own stop is bounded well below this (grace, then abort)
+
+
+async def _within(task: asyncio.Task[None], seconds: float) -> None:
+    """Await `task`; past `seconds`, fail with the stack of every task of the loop (where a stop hangs)."""
+    done, _ = await asyncio.wait([task], timeout=seconds)
+    if not done:
+        stacks = "\n".join(f"{other.get_name()}: {' <- '.join(_awaiting(other))}" for other in asyncio.all_tasks())
+        task.cancel()
+        pytest.fail(f"the worker did not stop within {seconds:.0f} s; tasks, each with what it awaits:\n{stacks}")
+    task.result()
+
+
+def _awaiting(task: asyncio.Task) -> list[str]:
+    """The chain of coroutines `task` is suspended in, outermost first (`get_stack` shows only the first)."""
+    chain, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            chain.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain

@@ -233,3 +233,29 @@ async def test_an_abort_arriving_while_its_submit_is_taken_is_applied(
         final = await worker.host.requests.final_state(request_id)
         assert final is not None and final.status == "cancelled", final
         assert final.completion_tokens < 400
+
+
+async def test_a_stop_past_its_grace_leaves_the_request_for_adoption(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker told to stop lets in-flight work run to its end for `STOP_GRACE_S`, and no longer: a request still
+    running then is given up unfinished — no final row, its Submit pending and unacknowledged — so another worker
+    adopts it; the stop itself returns promptly (an unbounded wait here once hung a CI run)."""
+    monkeypatch.setattr("pagewise.worker.redis_worker.STOP_GRACE_S", 0.5)
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, running, _):
+        answer, request_id = await long_request_running(platform, worker)
+        direct = redis.Redis.from_url(REDIS_URL)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            worker.stop()
+            await asyncio.wait_for(asyncio.shield(running), 30)
+            assert loop.time() - start < 10  # the grace, then the cancellation: not the 400 tokens
+            assert request_id not in worker.host.live
+            assert await worker.host.requests.final_state(request_id) is None
+            [pending] = await direct.xpending_range(worker.inbox, RedisKeys.GROUP, "-", "+", 10)
+            assert pending["consumer"] == worker.worker_id.encode()
+        finally:
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            await direct.aclose()
