@@ -118,12 +118,13 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
             serving,
             step,
             throughput,
+            versus_vllm,
         )
         from pagewise.bench import tracing as tracing_bench
 
         modules = (
             throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm,
-            faults,
+            faults, versus_vllm,
         )
         for module in modules:
             module.register(bench)

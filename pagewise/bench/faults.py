@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 from pagewise.bench._common import progress as log
 from pagewise.bench.fault_proxy import BackgroundProxy
-from pagewise.bench.local_server import LocalServer, free_port, local_server
+from pagewise.bench.local_server import LocalServer, free_port, local_server, stop_process_group
 from pagewise.bench.stack import Stack, distributed_stack, start_worker
 
 TENANTS = 3
@@ -202,13 +202,7 @@ def jobs_worker(env: dict[str, str], log_path: Path):
     try:
         yield process
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_group(process)
 
 
 def _price(base: str, admin_key: str, model: str) -> None:

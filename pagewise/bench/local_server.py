@@ -7,6 +7,7 @@ its output goes to a log file that every error quotes, and it is ready once ``/r
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 START_TIMEOUT_S = 300
+
+
+def stop_process_group(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to the session `process` leads (started with ``start_new_session=True``), SIGKILL after
+    `timeout` seconds; returns once `process` has exited."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -191,14 +191,16 @@ class Progress:
 
 
 @contextmanager
-def bench_server(model: str, max_model_len: int, workers: int = 0) -> Iterator[tuple[str, str]]:
+def bench_server(
+    model: str, max_model_len: int, workers: int = 0, engine_args: Sequence[str] = ()
+) -> Iterator[tuple[str, str]]:
     """Start ``pagewise serve`` on a free port with a fresh SQLite database — or, with ``workers``, the distributed
-    stack on it — and yield (base URL, admin key)."""
+    stack on it — and yield (base URL, admin key). `engine_args` are more of the engine's flags."""
     from pagewise.bench.distributed import migrated_sqlite
     from pagewise.bench.stack import distributed_stack
 
     with tempfile.TemporaryDirectory(prefix="pagewise-bench-") as tmp:
-        engine_args = ["--model", model, "--max-model-len", str(max_model_len)]
+        engine_args = ["--model", model, "--max-model-len", str(max_model_len), *engine_args]
         quiet = ["--log-level", "warning"]  # no access log line per request, in either mode
         if workers:
             database_url = migrated_sqlite(Path(tmp))

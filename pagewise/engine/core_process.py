@@ -157,8 +157,14 @@ class EngineCoreProcess:
 
 
 def run_core(config: EngineConfig, progress: bool, inbox: Connection, outbox: Connection) -> None:
-    """The child's main: load the engine, report ``ready`` (or ``failed``), then step until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The child's main: load the engine, report ``ready`` (or ``failed``), then step until told to stop.
+
+    Ctrl-C and SIGTERM sent to the whole process group (a terminal, ``kill -- -PGID``, a supervisor stopping a
+    service) are the parent's to act on: it finishes or hands over its requests, then stops this child. Dying on
+    them here would fail those requests first. A parent that is gone shows as a closed pipe, and the child ends.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     from pagewise.engine.llm_engine import LLMEngine
 
     try:

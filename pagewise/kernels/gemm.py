@@ -87,6 +87,16 @@ def cpu_signature() -> str:
     return " | ".join(found.get(key, "") for key in wanted)
 
 
+SUMMARY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the matmul paths' speed here
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and which of `SUMMARY_FLAGS` it has: how a benchmark names its machine."""
+    name, _, flags = cpu_signature().partition(" | ")
+    present = [flag for flag in SUMMARY_FLAGS if flag in flags.split()]
+    return f"{name} ({', '.join(present) or 'none of ' + '/'.join(SUMMARY_FLAGS)})"
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which oneDNN uses for bf16
     products; without them a bf16 product is emulated and slower than fp32."""

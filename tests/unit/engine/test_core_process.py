@@ -1,5 +1,5 @@
 """The engine in a child process (``AsyncLLMEngine(process=True)``): what only that form can do wrong — the child
-killed mid-generation, a load that fails over there, a request the child refuses, Ctrl-C reaching the whole
+killed mid-generation, a load that fails over there, a request the child refuses, Ctrl-C or SIGTERM reaching the whole
 process group, shutdown. (Everything both forms share runs against both in ``test_async_engine.py``.)"""
 
 from __future__ import annotations
@@ -98,14 +98,16 @@ def test_a_request_the_child_refuses_fails_alone(config) -> None:
         engine.shutdown()
 
 
-def test_ctrl_c_leaves_the_child_running_and_shutdown_stops_it_for_good(config) -> None:
+def test_ctrl_c_and_sigterm_leave_the_child_running_and_shutdown_stops_it_for_good(config) -> None:
+    """What reaches a whole process group (Ctrl-C, a supervisor's SIGTERM) is the parent's to act on."""
     engine = AsyncLLMEngine(config, progress=False, process=True)
     pid = engine.process_id
     try:
         assert len(run(tokens_of(engine, PROMPT))) == SHORT.max_tokens
-        os.kill(pid, signal.SIGINT)
-        time.sleep(0.2)
-        assert len(run(tokens_of(engine, PROMPT))) == SHORT.max_tokens and engine.is_alive()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(pid, sig)
+            time.sleep(0.2)
+            assert len(run(tokens_of(engine, PROMPT))) == SHORT.max_tokens and engine.is_alive()
     finally:
         engine.shutdown()
     assert engine._core.exitcode == 0

@@ -1,0 +1,54 @@
+"""vLLM's side of ``pagewise bench vllm``: run by path with the python of vLLM's own environment, never imported.
+
+It imports nothing of pagewise (that environment has no pagewise) and only vLLM's offline API. Input: the path
+of a JSON file ``{"model_dir", "dtype", "max_model_len", "seed", "prompts": [[ids]], "output_lens": [n],
+"sampling": {...}, "warm_up": [[ids]], "warm_up_tokens": n}``. Output: one JSON line on stdout,
+``{"vllm_version", "seconds", "output_tokens", "prompt_tokens", "output_tokens_per_s", "total_tokens_per_s"}``;
+vLLM's own logs go to stderr.
+
+Every request has ``ignore_eos`` and its own ``max_tokens``, so both engines produce exactly the same number of
+tokens; a run that produced another number is an error (exit 1), not a figure. The ``warm_up`` prompts run
+first, outside the timing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(path: str) -> int:
+    with open(path, encoding="utf-8") as file:
+        spec = json.load(file)
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=spec["seed"])
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **spec["sampling"]) for n in spec["output_lens"]]
+    warm_up = [TokensPrompt(prompt_token_ids=ids) for ids in spec["warm_up"]]
+    llm.generate(warm_up, SamplingParams(max_tokens=spec["warm_up_tokens"]), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    wanted = sum(spec["output_lens"])
+    if produced != wanted:
+        print(f"vLLM produced {produced} tokens, expected {wanted}", file=sys.stderr)
+        return 1
+    prompt_tokens = sum(len(ids) for ids in spec["prompts"])
+    print(json.dumps({
+        "vllm_version": vllm.__version__,
+        "seconds": seconds,
+        "output_tokens": produced,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens_per_s": produced / seconds,
+        "total_tokens_per_s": (produced + prompt_tokens) / seconds,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
