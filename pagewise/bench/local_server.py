@@ -21,11 +21,13 @@ START_TIMEOUT_S = 300
 
 
 def stop_process_group(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM to the session `process` leads (started with ``start_new_session=True``), SIGKILL after
-    `timeout` seconds; returns once `process` has exited."""
-    if process.poll() is not None:
+    """SIGTERM to the session `process` leads (started with ``start_new_session=True``) — to the whole group, even
+    when the leader has exited already — and SIGKILL after `timeout` seconds; returns once `process` has exited."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)  # the group: what the leader started may outlive it
+    except ProcessLookupError:  # nothing of the group is left
+        process.wait()
         return
-    os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

