@@ -196,3 +196,24 @@ def test_the_compose_lines_name_real_files_and_profiles() -> None:
     named = profile[profile.index("--profile") + 1]
     compose = (ROOT / "docker-compose.yml").read_text()
     assert re.search(rf"profiles:\s*\[?[^\n]*\b{named}\b", compose), f"no service has profile {named}"
+
+
+def test_the_openapi_documents_are_where_the_readme_says(server: LocalServer) -> None:
+    named = dict(re.findall(r"(JSON|YAML) at `(/schema[^`]*)`", README.read_text()))
+    assert named.keys() == {"JSON", "YAML"}, named
+    as_json = httpx.get(f"{server.base}{named['JSON']}", timeout=30)
+    assert as_json.status_code == 200 and as_json.json()["openapi"].startswith("3.")
+    as_yaml = httpx.get(f"{server.base}{named['YAML']}", timeout=30)
+    assert as_yaml.status_code == 200 and "\nopenapi: 3." in f"\n{as_yaml.text}"
+
+
+def test_generate_takes_one_prompt_per_argument_as_the_readme_says(tiny_model, tmp_path: Path) -> None:
+    """The README's two examples, each run: the quoted prompt is one, the unquoted words two."""
+    path, _ = tiny_model("readme-generate")
+    examples = re.findall(r"\(`(pagewise generate [^`]+)` is one prompt,\s+`(pagewise generate [^`]+)` two\)",
+                          README.read_text())
+    assert examples, "the README no longer says how generate splits its prompts"
+    for command, prompts in zip(examples[0], (1, 2), strict=True):
+        flags = f"--model {shlex.quote(str(path))} --max-tokens 2"
+        out = shell(command.replace("pagewise generate", f"pagewise generate {flags}", 1), clean_env(tmp_path))
+        assert len([line for line in out.splitlines() if line.startswith("### ")]) == prompts, (command, out)
