@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from pagewise.platform.db.session import SQLITE_BUSY_TIMEOUT_S, create_sessionmaker, set_sqlite_pragmas
+from pagewise.platform.db.session import create_sessionmaker, create_sync_db_engine
 
 T = TypeVar("T")
 
@@ -39,11 +39,8 @@ class Database:
         self.sync_engine: Engine | None = None  # SQLite only: the units' engine, used on `_thread` alone
         self._thread: ThreadPoolExecutor | None = None
         if engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:"):
-            url = engine.url.set(drivername="sqlite+pysqlite")
-            self.sync_engine = create_engine(
-                url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}, hide_parameters=True
-            )
-            set_sqlite_pragmas(self.sync_engine)
+            url = engine.url.render_as_string(hide_password=False)
+            self.sync_engine = create_sync_db_engine(url, shared_across_threads=True)
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagewise-sqlite")
 
     async def run(self, work: Callable[[Connection], T]) -> T:

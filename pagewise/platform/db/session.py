@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
-from sqlalchemy import Engine, TextClause, event, make_url, text
+from sqlalchemy import Engine, TextClause, create_engine, event, make_url, text
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
@@ -51,6 +51,35 @@ def sqlite_write_lock(session: Session | AsyncSession) -> TextClause | None:
     busy timeout) until this one commits, then reads what it wrote. None elsewhere: on PostgreSQL the check locks
     the rows it reads (`FOR UPDATE`), which SQLite ignores."""
     return _SQLITE_WRITE_LOCK if session.get_bind().dialect.name == "sqlite" else None
+
+
+_SYNC_DRIVERS = {"postgresql+asyncpg": "postgresql+psycopg", "sqlite+aiosqlite": "sqlite"}
+
+
+def sync_url(url: str) -> str:
+    """The platform's database URL with a synchronous driver: `postgresql+asyncpg://…` → `postgresql+psycopg://…`,
+    `sqlite+aiosqlite://…` → `sqlite://…` (a URL that has one already is returned as it is)."""
+    driver, rest = url.split("://", 1)
+    if driver in _SYNC_DRIVERS.values():
+        return url
+    if driver not in _SYNC_DRIVERS:
+        raise ValueError(f"no synchronous driver for {driver!r}; expected one of {', '.join(_SYNC_DRIVERS)}")
+    return f"{_SYNC_DRIVERS[driver]}://{rest}"
+
+
+def create_sync_db_engine(url: str, *, shared_across_threads: bool = False) -> Engine:
+    """A synchronous engine on the database at `url` (see `sync_url`), configured as `create_db_engine`'s:
+    SQLite with the same pragmas and busy timeout (`shared_across_threads`: one connection may be used from
+    another thread than the one that opened it), PostgreSQL with a pre-pinged pool; parameters hidden."""
+    url = sync_url(url)
+    if url.startswith("sqlite"):
+        connect: dict[str, Any] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+        if shared_across_threads:
+            connect["check_same_thread"] = False
+        engine = create_engine(url, connect_args=connect, hide_parameters=True)
+        set_sqlite_pragmas(engine)
+        return engine
+    return create_engine(url, pool_pre_ping=True, hide_parameters=True)
 
 
 def create_db_engine(url: str) -> AsyncEngine:
