@@ -86,17 +86,31 @@ def local_server(
 
 def wait_ready(server: LocalServer) -> None:
     """Poll ``/ready`` until it answers 200; `RuntimeError` (with the server's output) if it exits or times out."""
+    wait_answering(server.process, f"{server.base}/ready", START_TIMEOUT_S, server.log_path, "the server")
+
+
+LOG_TAIL_CHARS = 8_000  # of a server's log, quoted in the error when it does not come up
+
+
+def wait_answering(process: subprocess.Popen, url: str, timeout_s: float, log_path: Path, what: str) -> None:
+    """Poll `url` until it answers 200; `RuntimeError` naming `what`, with the end of its log, if `process` exits
+    first or `timeout_s` passes."""
     import httpx
 
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log_path.read_text()}")
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}:\n{_log_tail(log_path)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready in {START_TIMEOUT_S} s:\n{server.log_path.read_text()}")
+            raise RuntimeError(f"{what} did not answer within {timeout_s:.0f} s:\n{_log_tail(log_path)}")
         try:
-            if httpx.get(f"{server.base}/ready", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.25)
+
+
+def _log_tail(path: Path) -> str:
+    text = path.read_text(errors="replace")
+    return text if len(text) <= LOG_TAIL_CHARS else f"… (whole log: {path})\n{text[-LOG_TAIL_CHARS:]}"

@@ -186,9 +186,8 @@ def pagewise_offline(weights: Path, workload: Any, dtype: str, sampled: bool) ->
 def vllm_server(python: Path, weights: Path, dtype: str, threads: int, log_path: Path) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, yielding its base URL once ``/v1/models`` answers; stopped (its whole
     process group) afterwards."""
-    import httpx
 
-    from pagewise.bench.local_server import free_port
+    from pagewise.bench.local_server import free_port, wait_answering
 
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights), "--dtype", dtype,
@@ -199,18 +198,7 @@ def vllm_server(python: Path, weights: Path, dtype: str, threads: int, log_path:
                                    start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {process.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not answer within {SERVER_START_S:.0f} s; see {log_path}")
-            time.sleep(2)
+        wait_answering(process, f"{base}/v1/models", SERVER_START_S, log_path, "vLLM's server")
         yield base
     finally:
         stop_process_group(process)

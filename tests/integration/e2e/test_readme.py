@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -196,6 +197,21 @@ def test_the_compose_lines_name_real_files_and_profiles() -> None:
     named = profile[profile.index("--profile") + 1]
     compose = (ROOT / "docker-compose.yml").read_text()
     assert re.search(rf"profiles:\s*\[?[^\n]*\b{named}\b", compose), f"no service has profile {named}"
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+def test_the_compose_lines_give_a_valid_stack(tmp_path: Path) -> None:
+    """The block's `cp` then its `docker-compose` line, with `config` for `up -d` (no Docker daemon needed): the
+    env file the README copies makes a stack that a real compose parser accepts. The copy goes to a scratch
+    directory, passed by `--env-file`, so the checkout gets no `.env`."""
+    commands = _joined(block_with("bash", "docker-compose").splitlines())
+    copy = shlex.split(next(c for c in commands if c.startswith("cp ")), comments=True)
+    shutil.copyfile(ROOT / copy[1], tmp_path / ".env")
+    words = shlex.split(next(c for c in commands if c.startswith("docker-compose")), comments=True)
+    assert words[-2:] == ["up", "-d"], words
+    run = subprocess.run([*words[:1], "--env-file", str(tmp_path / ".env"), *words[1:-2], "config", "--quiet"],
+                         cwd=ROOT, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
 
 
 def test_the_openapi_documents_are_where_the_readme_says(server: LocalServer) -> None:

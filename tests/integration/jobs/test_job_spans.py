@@ -109,8 +109,9 @@ def test_export_all_links_each_export_to_itself_and_a_failed_job_is_an_error(job
     assert [(link.trace_id, link.span_id) for link in child.links] == [(parent.trace_id, parent.span_id)]
     assert child.trace_id != parent.trace_id
 
+    missing = new_id("ten")  # an id of this test's own: the worker (and its spans) serve the whole session
     with pytest.raises(Exception, match="no tenant"):
-        jobs.run("pagewise.export_month", "ten_missing", period)
-    [failed] = _job_spans(jobs, "pagewise.export_month", **{"pagewise.tenant.id": "ten_missing"})
+        jobs.run("pagewise.export_month", missing, period)
+    [failed] = _job_spans(jobs, "pagewise.export_month", **{"pagewise.tenant.id": missing})
     assert failed.status.code == Status.StatusCode.STATUS_CODE_ERROR
     assert [event.name for event in failed.events] == ["exception"]
