@@ -111,6 +111,7 @@ class RedisWorker:
         self._ttl_s = 5 * heartbeat_s
         self._max_deliveries = max_deliveries
         self._stopping = asyncio.Event()
+        self._ended = asyncio.Event()  # set once in-flight work is done: the heartbeat and adopter loops end
         self._inflight: set[asyncio.Task[None]] = set()
         self._taking: set[str] = set()  # request ids between their aborted-key check and their execution
         self._held: dict[str, tuple[str, bytes]] = {}  # request id → (stream, entry id) of a Submit taken here
@@ -140,6 +141,9 @@ class RedisWorker:
             await self._serve_inbox()
         finally:
             await self._finish_inflight()
+            # the loops also end by this flag: a cancellation swallowed inside a Redis call (seen on Python 3.11)
+            # once left the adopter looping and this stop waiting forever
+            self._ended.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -403,7 +407,7 @@ class RedisWorker:
             await pipe.execute()
 
     async def _keep_beating(self) -> None:
-        while True:
+        while not self._ended.is_set():
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await self._beat()
@@ -414,7 +418,7 @@ class RedisWorker:
     # ---- adopting a dead worker's Submits
 
     async def _keep_adopting(self) -> None:
-        while True:
+        while not self._ended.is_set():
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await self.adopt_dead()
