@@ -186,7 +186,6 @@ def pagewise_offline(weights: Path, workload: Any, dtype: str, sampled: bool) ->
 def vllm_server(python: Path, weights: Path, dtype: str, threads: int, log_path: Path) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, yielding its base URL once ``/v1/models`` answers; stopped (its whole
     process group) afterwards."""
-
     from pagewise.bench.local_server import free_port, wait_answering
 
     port = free_port()
@@ -233,14 +232,13 @@ def served(python: Path, weights: Path, workload: Any, args: argparse.Namespace,
 def run(args: argparse.Namespace) -> int:
     from pagewise.bench.served_workload import OUTPUT_RANGE, PROMPT_RANGE
     from pagewise.bench.throughput import make_workload
-    from pagewise.kernels.gemm import cpu_has_native_bf16, cpu_summary
+    from pagewise.kernels.gemm import cpu_summary
 
     if args.num_requests < 2 or (args.rates and not all(r > 0 for r in args.rates)):
         print("error: --num-requests must be at least 2 and --rate positive (inf: all at once)", file=sys.stderr)
         return 2
     args.home = Path(args.home).expanduser() if args.home else default_home()
-    args.vllm_dtype = args.vllm_dtype or ("bfloat16" if args.dtype == "auto" and cpu_has_native_bf16() else
-                                          "float32" if args.dtype == "auto" else args.dtype)
+    args.vllm_dtype = args.vllm_dtype or _vllm_dtype_for(args.dtype)
     args.rates = args.rates or [float("inf"), 0.75]
     started = time.perf_counter()
     try:
@@ -279,6 +277,15 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(result) if args.json else _table(result))
     errors = sum(load["num_errors"] for side in result.get("served", {}).values() for load in side)
     return 0 if errors == 0 else 1
+
+
+def _vllm_dtype_for(dtype: str) -> str:
+    """vLLM's dtype for pagewise's `dtype` when none is given: the same, with `auto` resolved as pagewise does."""
+    if dtype != "auto":
+        return dtype
+    from pagewise.kernels.gemm import cpu_has_native_bf16
+
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -39,16 +39,16 @@ def main(path: str, result_path: str) -> int:
         print(f"vLLM produced {produced} tokens, expected {wanted}", file=sys.stderr)
         return 1
     prompt_tokens = sum(len(ids) for ids in spec["prompts"])
-    result = json.dumps({
+    result = {
         "vllm_version": vllm.__version__,
         "seconds": seconds,
         "output_tokens": produced,
         "prompt_tokens": prompt_tokens,
         "output_tokens_per_s": produced / seconds,
         "total_tokens_per_s": (produced + prompt_tokens) / seconds,
-    })
+    }
     with open(result_path, "w", encoding="utf-8") as file:
-        file.write(result)
+        json.dump(result, file)
     return 0
 
 

@@ -189,11 +189,16 @@ def _database_of(server: LocalServer) -> str:
     return f"sqlite+aiosqlite:///{server.log_path.parent / 'readme.db'}"
 
 
-def test_the_compose_lines_name_real_files_and_profiles() -> None:
+def _compose_lines() -> tuple[list[str], list[str]]:
+    """The words of the compose block's `cp` line and of its `docker-compose` line."""
     commands = _joined(block_with("bash", "docker-compose").splitlines())
-    copy = shlex.split(next(c for c in commands if c.startswith("cp ")), comments=True)
+    copy, compose = (next(c for c in commands if c.startswith(start)) for start in ("cp ", "docker-compose"))
+    return shlex.split(copy, comments=True), shlex.split(compose, comments=True)
+
+
+def test_the_compose_lines_name_real_files_and_profiles() -> None:
+    copy, profile = _compose_lines()
     assert (ROOT / copy[1]).is_file()
-    profile = shlex.split(next(c for c in commands if c.startswith("docker-compose")), comments=True)
     named = profile[profile.index("--profile") + 1]
     compose = (ROOT / "docker-compose.yml").read_text()
     assert re.search(rf"profiles:\s*\[?[^\n]*\b{named}\b", compose), f"no service has profile {named}"
@@ -204,10 +209,8 @@ def test_the_compose_lines_give_a_valid_stack(tmp_path: Path) -> None:
     """The block's `cp` then its `docker-compose` line, with `config` for `up -d` (no Docker daemon needed): the
     env file the README copies makes a stack that a real compose parser accepts. The copy goes to a scratch
     directory, passed by `--env-file`, so the checkout gets no `.env`."""
-    commands = _joined(block_with("bash", "docker-compose").splitlines())
-    copy = shlex.split(next(c for c in commands if c.startswith("cp ")), comments=True)
+    copy, words = _compose_lines()
     shutil.copyfile(ROOT / copy[1], tmp_path / ".env")
-    words = shlex.split(next(c for c in commands if c.startswith("docker-compose")), comments=True)
     assert words[-2:] == ["up", "-d"], words
     run = subprocess.run([*words[:1], "--env-file", str(tmp_path / ".env"), *words[1:-2], "config", "--quiet"],
                          cwd=ROOT, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=60)
