@@ -59,6 +59,7 @@ EVENTS_TTL_S = 3600  # a request's events outlive its end by this long, for late
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff after a Redis fault
 EMIT_PATIENCE_S = 30.0  # how long a request's event or settlement is retried through Redis faults
 STOP_GRACE_S = 60.0  # on stop, in-flight requests run this long to their end; the rest are left for adoption
+GIVE_UP_TRIES = 30  # a request left for adoption is cancelled again each second for this long, until it ends
 T = TypeVar("T")
 HOLD_MARGIN = 0.5  # an execution asks Redis whether it still holds its Submit when the last hold is this old (in TTLs)
 # KEYS: the streams of the held entries, ARGV: group, consumer, then one entry id per stream. Claims again each
@@ -158,9 +159,17 @@ class RedisWorker:
             _, left = await asyncio.wait(list(self._inflight), timeout=STOP_GRACE_S)
             if left:
                 logger.warning("stopping with %d requests still running; they are left for adoption", len(left))
-                for task in left:
-                    task.cancel()
-                await asyncio.gather(*left, return_exceptions=True)
+                # their holds say no from now on: an execution that outlives its cancellation (one swallowed
+                # inside a Redis call, as Python 3.11's timeouts can) ends `Superseded` at its next delta
+                self._held.clear()
+                for _ in range(GIVE_UP_TRIES):
+                    for task in left:
+                        task.cancel()
+                    _, left = await asyncio.wait(left, timeout=1.0)
+                    if not left:
+                        break
+                else:
+                    logger.error("%d requests did not stop when given up; the host's drain aborts them", len(left))
         await self.host.drain()
 
     def stop(self) -> None:
@@ -260,7 +269,10 @@ class RedisWorker:
                 await task
             except Superseded:
                 left = True
-                logger.warning("request %s was taken over by another worker; this attempt stopped", request_id)
+                if self._stopping.is_set():
+                    logger.warning("request %s: this attempt stopped unfinished, left for adoption", request_id)
+                else:
+                    logger.warning("request %s was taken over by another worker; this attempt stopped", request_id)
             except asyncio.CancelledError:
                 left = True  # a stop past its grace: the Submit stays pending for adoption
                 raise

@@ -23,7 +23,8 @@ from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
-from pagewise.protocol import ChoiceDelta, Delta, Finished, RedisKeys, Usage, decode_event, encode
+from pagewise.protocol import ChoiceDelta, Delta, Event, Finished, RedisKeys, Usage, decode_event, encode
+from pagewise.worker.execution import Emit
 from pagewise.worker.host import EngineHost
 from pagewise.worker.redis_worker import RedisWorker
 
@@ -252,6 +253,46 @@ async def test_a_stop_past_its_grace_leaves_the_request_for_adoption(
             await asyncio.wait_for(asyncio.shield(running), 30)
             assert loop.time() - start < 10  # the grace, then the cancellation: not the 400 tokens
             assert request_id not in worker.host.live
+            assert await worker.host.requests.final_state(request_id) is None
+            [pending] = await direct.xpending_range(worker.inbox, RedisKeys.GROUP, "-", "+", 10)
+            assert pending["consumer"] == worker.worker_id.encode()
+        finally:
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            await direct.aclose()
+
+
+async def test_a_request_that_swallows_its_cancellation_is_still_given_up_at_stop(
+    database_url: str, llm_engine: AsyncLLMEngine, redis_key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancellation swallowed inside a Redis call (Python 3.11's timeouts can lose one; a CI run hung here) does
+    not keep a stopping worker: the request's hold says no from then on, so it ends at its next delta — no row,
+    its Submit pending for adoption."""
+    monkeypatch.setattr("pagewise.worker.redis_worker.STOP_GRACE_S", 0.5)
+    emitter = RedisWorker._emitter
+
+    def deaf_emitter(self: RedisWorker, request_id: str) -> Emit:
+        emit = emitter(self, request_id)
+
+        async def emit_ignoring_cancellation(event: Event) -> None:
+            try:
+                await asyncio.sleep(0.2)  # a slow Redis: a cancellation lands here
+                await emit(event)
+            except asyncio.CancelledError:
+                pass  # swallowed, as a Redis call under a racing timeout can
+
+        return emit_ignoring_cancellation
+
+    monkeypatch.setattr(RedisWorker, "_emitter", deaf_emitter)
+    async with worker_behind_proxy(database_url, llm_engine, redis_key_prefix) as (platform, worker, running, _):
+        answer, request_id = await long_request_running(platform, worker)
+        direct = redis.Redis.from_url(REDIS_URL)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            worker.stop()
+            await asyncio.wait_for(asyncio.shield(running), 30)
+            assert loop.time() - start < 10
             assert await worker.host.requests.final_state(request_id) is None
             [pending] = await direct.xpending_range(worker.inbox, RedisKeys.GROUP, "-", "+", 10)
             assert pending["consumer"] == worker.worker_id.encode()
