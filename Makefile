@@ -29,7 +29,9 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/pagewise serve --host 127.0.0.1 --port 8000
 
+# the layering contracts of docs/architecture.md (pyproject.toml), then the tests
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: install
@@ -37,3 +39,4 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check pagewise tests
+	$(VENV)/bin/lint-imports

@@ -128,7 +128,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         )
         for module in modules:
             module.register(bench)
-    platform_cli.register(commands)
+    platform_cli.register(commands, add_engine_arguments)
     billing_cli.register(commands)
     jobs_cli.register(commands)
     worker_cli.register(commands, add_engine_arguments)

@@ -24,7 +24,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import NoOpTracerProvider, Span, SpanKind, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from pagewise.protocol import Submit, Usage
+from pagewise.serving.protocol import Reservation, Submit, Usage
 
 INSTRUMENTATION_NAME = "pagewise"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -134,3 +134,12 @@ def usage_attributes(usage: Usage, finish_reasons: list[str]) -> dict[str, int |
         "pagewise.cached_tokens": usage.cached_tokens,
         "gen_ai.response.finish_reasons": finish_reasons,
     }
+
+
+@contextmanager
+def reconcile_span(reservation: Reservation, actual_tokens: int) -> Iterator[Span]:
+    """The `pagewise.quota.reconcile` span (a no-op one with tracing off); the caller sets
+    `pagewise.quota.reconciled` once it knows."""
+    attributes = {"pagewise.tenant.id": reservation.tenant_id, "pagewise.quota.tokens": actual_tokens}
+    with tracer().start_as_current_span("pagewise.quota.reconcile", attributes=attributes) as span:
+        yield span

@@ -36,7 +36,7 @@ from pagewise.bench.throughput import Workload, make_workload
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
-    from pagewise.protocol import Submit
+    from pagewise.serving.protocol import Submit
 
 TARGET_RATIO_MIN = 0.97
 OFF, ON = "off", "on"
@@ -70,8 +70,8 @@ class _Serving:
         from pagewise.platform.quotas.memory_store import InProcessQuotaStore
         from pagewise.platform.requests.store import RequestStore
         from pagewise.platform.tracing import TracedQuotaStore
+        from pagewise.serving.host import EngineHost
         from pagewise.tracing_export import build_provider
-        from pagewise.worker.host import EngineHost
 
         self.engine = engine
         self.db = Database(create_db_engine(database_url))
@@ -105,7 +105,7 @@ class _Serving:
         from pagewise.platform.quotas.quota_store import QuotaLimits
         from pagewise.platform.tenants.schemas import TenantCreate
         from pagewise.platform.tenants.service import TenantService
-        from pagewise.protocol import Submit
+        from pagewise.serving.protocol import Submit
 
         async with self.sessionmaker() as session:
             tenant = await TenantService(session).create(TenantCreate(name=f"bench-{label}-{secrets.token_hex(3)}"))
@@ -139,7 +139,7 @@ class _Serving:
 
     async def run_round(self, mode: str, workload: Workload, label: str) -> dict[str, Any]:
         """Run the workload once in `mode`; its output tokens/s (spans flushed to the receiver within the time)."""
-        from pagewise.protocol import Event, Finished
+        from pagewise.serving.protocol import Event, Finished
 
         submits = await self.submits(workload, label)
         host = self.hosts[mode]

@@ -37,7 +37,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestUsage:
     """What a request cost, for billing; cumulative, all samples of the request together.
 
@@ -50,7 +50,7 @@ class RequestUsage:
     completion_tokens: int  # every token generated, all samples, including ones no consumer received
 
 
-NO_USAGE = RequestUsage(0, 0, 0)
+NO_USAGE = RequestUsage(prompt_tokens=0, cached_tokens=0, completion_tokens=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,7 +100,11 @@ class RequestGroup:
 
     @property
     def usage(self) -> RequestUsage:
-        return RequestUsage(self.num_prompt_reached, self.num_prompt_cached, self.num_generated)
+        return RequestUsage(
+            prompt_tokens=self.num_prompt_reached,
+            cached_tokens=self.num_prompt_cached,
+            completion_tokens=self.num_generated,
+        )
 
     def sample_of(self, request: Request) -> SampleState:
         return next(s for s in self.samples if s.request is request)

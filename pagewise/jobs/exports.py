@@ -24,19 +24,18 @@ import hashlib
 import io
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pagewise.platform.billing.money import format_dollars
+from pagewise.platform.billing.export_files import ExportError, export_paths, month_bounds
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import BillingExport, Tenant, UsageDaily
 from pagewise.platform.db.session import sqlite_write_lock
+from pagewise.serving.money import format_dollars
 
-PERIOD = re.compile(r"(\d{4})-(0[1-9]|1[0-2])")
 COLUMNS = (
     "kind",
     "tenant_id",
@@ -52,22 +51,6 @@ COLUMNS = (
     "cost_usd",
 )
 _TOTALS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros")
-
-
-class ExportError(ValueError):
-    """A request for an export that cannot exist (unknown tenant, malformed or future period)."""
-
-
-def month_bounds(period: str, today: dt.date) -> tuple[dt.date, dt.date]:
-    """First day of `period` (`YYYY-MM`) and of the month after; an `ExportError` unless it has begun."""
-    match = PERIOD.fullmatch(period)
-    if match is None:
-        raise ExportError(f"period must be a month as YYYY-MM; got {period!r}")
-    first = dt.date(int(match.group(1)), int(match.group(2)), 1)
-    if first > today:
-        raise ExportError(f"period {period} has not begun yet")
-    following = (first + dt.timedelta(days=32)).replace(day=1)
-    return first, following
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +107,6 @@ def render(tenant_id: str, period: str, usage: list[UsageDaily]) -> ExportFiles:
     writer.writerows(records)
     jsonl = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
     return ExportFiles(text.getvalue().encode(), jsonl.encode())
-
-
-def export_paths(export_dir: Path, export: BillingExport) -> tuple[Path, Path]:
-    """Where a revision's CSV and JSONL files live."""
-    base = export_dir / export.tenant_id / export.period / f"r{export.revision}"
-    return base.with_suffix(".csv"), base.with_suffix(".jsonl")
 
 
 def _write_atomically(path: Path, content: bytes) -> None:

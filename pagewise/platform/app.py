@@ -24,6 +24,7 @@ from pagewise.platform.db.database import Database
 from pagewise.platform.db.migrate import upgrade_head
 from pagewise.platform.db.session import create_db_engine, provide_db_session
 from pagewise.platform.engine_client import EngineClient, Transport
+from pagewise.platform.engine_loader import engine_summary, load_engine
 from pagewise.platform.errors import EXCEPTION_HANDLERS
 from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
 from pagewise.platform.inference.controllers import InferenceController
@@ -59,25 +60,6 @@ if TYPE_CHECKING:  # only the embedded mode loads an engine; importing this modu
 logger = logging.getLogger("pagewise.platform")
 
 
-def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> AsyncLLMEngine:
-    """Load the model into an engine of this process's own (seconds to minutes; blocking): stepped in a child
-    process, or with `engine_process` off in a thread of this one.
-
-    If the engine's loop ever dies, the error is logged and `on_dead` is called (from the engine's thread):
-    `pagewise serve` passes one that stops the server, then exits non-zero so a supervisor restarts it.
-    """
-    from pagewise.engine.async_engine import AsyncLLMEngine
-    from pagewise.engine.config import EngineConfig
-
-    def dead(error: BaseException) -> None:
-        logger.critical("the engine stopped after an error; the server cannot serve: %r", error)
-        if on_dead is not None:
-            on_dead()
-
-    config = EngineConfig(**settings.engine.engine_kwargs())
-    return AsyncLLMEngine(config, on_dead=dead, process=settings.engine_process)
-
-
 async def build_transport(
     settings: Settings,
     engine: AsyncLLMEngine | None,
@@ -99,26 +81,13 @@ async def build_transport(
             affinity=settings.routing_affinity,
         )
     from pagewise.platform.transports.loopback import LoopbackTransport
-    from pagewise.worker.host import EngineHost
+    from pagewise.serving.host import EngineHost
 
     owned = engine is None
     if engine is None:
         engine = await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
         logger.info("%s", engine_summary(engine))
     return LoopbackTransport(EngineHost(engine, requests, quotas, metrics), owns_engine=owned)
-
-
-def engine_summary(engine: AsyncLLMEngine) -> str:
-    """One line for an operator: what is served, in which dtype and on what, with how much KV cache."""
-    config, limits, stats = engine.config, engine.limits, engine.stats()
-    blocks = engine.num_blocks
-    precision = ", ".join(f"{part} {dtype}" for part, dtype in stats["precision"].items())
-    return (
-        f"pagewise: serving {engine.model_name} (dtype {config.dtype}: {precision}; on {config.device}), max_model_len "
-        f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "
-        f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling, matmul path "
-        f"{stats['gemm_path']}"
-    )
 
 
 def build_quota_store(settings: Settings, ledger: MonthLedger) -> QuotaStore:

@@ -35,10 +35,11 @@ _QUOTA_FLAGS = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object; each takes `--database-url`."""
-    from pagewise.cli import add_engine_arguments
-
+def register(
+    subparsers: argparse._SubParsersAction, add_engine_arguments: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object; each takes `--database-url`.
+    `add_engine_arguments`: the engine's flags, which `serve` takes too (`pagewise.cli` owns them)."""
     serve = _command(
         subparsers, "serve", serve_command, "run the API server (the engine in this process unless --workers-external)"
     )

@@ -1,7 +1,7 @@
 """The platform's only door to the engines: a tokenizer and the engines' limits, plus a transport.
 
 Routes validate and tokenize with `EngineClient` and never touch an engine: the API replica of the distributed
-mode loads no model (and imports no torch). Requests cross a `Transport` as `pagewise.protocol` messages:
+mode loads no model (and imports no torch). Requests cross a `Transport` as `pagewise.serving.protocol` messages:
 
 - `LoopbackTransport` (embedded mode): the engine runs in this process, behind the same messages;
 - `RedisTransport` (distributed mode): Submits go to `pagewise worker` processes over Redis Streams.
@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-import tokenizers
-
 from pagewise.engine.limits import check_prompt
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.engine.tokenizer import Tokenizer
 from pagewise.platform.errors import APIError
-from pagewise.protocol import EngineInfo, Event, Submit, TokenizerSpec, WorkerHeartbeat
+from pagewise.serving.protocol import EngineInfo, Event, Submit, WorkerHeartbeat
 
 
 class Transport(Protocol):
@@ -123,22 +121,3 @@ class EngineClient:
     @property
     def error(self) -> BaseException | None:
         return self.transport.error()
-
-
-def tokenizer_spec(tokenizer: Tokenizer) -> TokenizerSpec:
-    """What a worker publishes so that API replicas rebuild its tokenizer without the model files."""
-    return TokenizerSpec(
-        tokenizer_json=tokenizer.backend.to_str(),
-        eos_token_ids=list(tokenizer.eos_token_ids),
-        chat_template=tokenizer.chat_template,
-        special_tokens=dict(tokenizer.special_tokens),
-    )
-
-
-def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
-    return Tokenizer(
-        tokenizers.Tokenizer.from_str(spec.tokenizer_json),
-        tuple(spec.eos_token_ids),
-        chat_template=spec.chat_template,
-        special_tokens=spec.special_tokens,
-    )

@@ -10,7 +10,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
-from pagewise.platform.faults import RETRY_AFTER_S, is_database_fault, is_redis_fault
+from pagewise.platform.db.faults import is_database_fault
+from pagewise.serving.faults import RETRY_AFTER_S, is_redis_fault
 
 logger = logging.getLogger(__name__)
 

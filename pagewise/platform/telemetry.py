@@ -24,7 +24,7 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from pagewise.engine.request_metrics import HistogramSnapshot
-    from pagewise.protocol import Finished, Submit
+    from pagewise.serving.protocol import Finished, Submit
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -25,7 +25,8 @@ from pagewise import tracing
 from pagewise.platform.db.database import Database
 from pagewise.platform.keys.auth import ApiKeyAuthMiddleware, Principal, bearer_token
 from pagewise.platform.keys.key_format import parse_key
-from pagewise.platform.quotas.quota_store import Decision, QuotaLimits, QuotaStore, Reservation
+from pagewise.platform.quotas.quota_store import Decision, QuotaLimits, QuotaStore
+from pagewise.serving.protocol import Reservation
 
 TRACE_ID_HEADER = "x-pagewise-trace-id"
 UNTRACED_PATHS = ("/health", "/ready", "/metrics")
@@ -88,19 +89,10 @@ class TracedQuotaStore:
             return decision
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_cost: int | None = None) -> bool:
-        with reconcile_span(reservation, actual_tokens) as span:
+        with tracing.reconcile_span(reservation, actual_tokens) as span:
             reconciled = await self.store.reconcile(reservation, actual_tokens, actual_cost)
             span.set_attribute("pagewise.quota.reconciled", reconciled)
             return reconciled
-
-
-@contextmanager
-def reconcile_span(reservation: Reservation, actual_tokens: int) -> Iterator[trace.Span]:
-    """The `pagewise.quota.reconcile` span (a no-op one with tracing off); the caller sets
-    `pagewise.quota.reconciled` once it knows."""
-    attributes = {"pagewise.tenant.id": reservation.tenant_id, "pagewise.quota.tokens": actual_tokens}
-    with tracing.tracer().start_as_current_span("pagewise.quota.reconcile", attributes=attributes) as span:
-        yield span
 
 
 def traced_quotas(store: QuotaStore) -> QuotaStore:

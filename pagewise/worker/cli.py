@@ -67,16 +67,16 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     import anyio
     import redis.asyncio as redis
 
-    from pagewise.platform.app import engine_summary, load_engine
     from pagewise.platform.db.database import Database
     from pagewise.platform.db.session import create_db_engine
+    from pagewise.platform.engine_loader import engine_summary, load_engine
     from pagewise.platform.quotas.redis_store import RedisQuotaStore
     from pagewise.platform.requests.store import RequestStore
     from pagewise.platform.telemetry import PlatformMetrics
     from pagewise.platform.tracing import traced_database, traced_quotas
-    from pagewise.protocol import RedisKeys
+    from pagewise.serving.host import EngineHost
+    from pagewise.serving.protocol import RedisKeys
     from pagewise.tracing import configure_from_env
-    from pagewise.worker.host import EngineHost
     from pagewise.worker.metrics_server import serve_metrics
     from pagewise.worker.redis_worker import RedisWorker
 

@@ -42,14 +42,22 @@ from typing import TypeVar
 import redis.asyncio as redis
 from redis.asyncio.client import Pipeline, PubSub
 
-from pagewise.platform.faults import is_redis_fault
-from pagewise.platform.quotas.quota_store import Reservation
-from pagewise.platform.quotas.redis_store import RedisQuotaStore
-from pagewise.platform.requests.store import FinishedRequest
-from pagewise.platform.tracing import reconcile_span
-from pagewise.protocol import ErrorCode, ErrorInfo, Event, Finished, RedisKeys, Usage, decode_submit, encode
-from pagewise.worker.execution import Emit, Settle, Superseded
-from pagewise.worker.host import EngineHost
+from pagewise import tracing
+from pagewise.serving.execution import Emit, Settle, Superseded
+from pagewise.serving.faults import is_redis_fault
+from pagewise.serving.host import EngineHost
+from pagewise.serving.ledgers import FinishedRequest, PipelinedQuotaLedger
+from pagewise.serving.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    Finished,
+    RedisKeys,
+    Reservation,
+    Usage,
+    decode_submit,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 READ_COUNT = 64
@@ -121,7 +129,7 @@ class RedisWorker:
         self._hold_script = client.register_script(HOLD_SCRIPT)
         store = getattr(host.quotas, "store", host.quotas)  # under a tracing wrapper, the store itself
         # quotas in this Redis: a settlement's reconcile and its events go in one transaction (one round trip)
-        self._redis_quotas = store if isinstance(store, RedisQuotaStore) else None
+        self._redis_quotas = store if isinstance(store, PipelinedQuotaLedger) else None
 
     @property
     def inbox(self) -> str:
@@ -316,7 +324,7 @@ class RedisWorker:
                     reconciled, *_ = await pipe.execute()
                 return bool(reconciled)
 
-            with reconcile_span(reservation, tokens) as span:
+            with tracing.reconcile_span(reservation, tokens) as span:
                 reconciled = await _through_redis_faults(once, f"settling {request_id}")
                 span.set_attribute("pagewise.quota.reconciled", reconciled)
 

@@ -10,8 +10,7 @@ from opentelemetry.trace import SpanKind
 
 from pagewise import tracing
 from pagewise.engine.sampling_params import SamplingParams
-from pagewise.platform.quotas.quota_store import Reservation
-from pagewise.protocol import Submit, decode_submit, encode
+from pagewise.serving.protocol import Reservation, Submit, decode_submit, encode
 from pagewise.tracing_export import build_provider
 
 SUBMIT = Submit(

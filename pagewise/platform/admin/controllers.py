@@ -16,13 +16,14 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 
 from pagewise.platform.admin import queries
 from pagewise.platform.admin.queries import Overview
-from pagewise.platform.db.models import RequestRecord, RequestStatus
+from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import not_found
 from pagewise.platform.keys.auth import requires_scope
 from pagewise.platform.requests.schemas import RequestList, RequestOut, request_out, request_page
 from pagewise.platform.services import Services
 from pagewise.platform.usage.service import BucketWidth, GroupField, UnixTime, UsagePage, usage_page
+from pagewise.serving.protocol import RequestStatus
 
 DEFAULT_RANGE_S = 7 * 86400
 

@@ -12,9 +12,10 @@ import msgspec
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.db.models import ApiKey, RequestRecord, RequestStatus, Tenant, as_utc, utcnow
+from pagewise.platform.db.models import ApiKey, RequestRecord, Tenant, as_utc, utcnow
 from pagewise.platform.errors import invalid_request
 from pagewise.platform.requests.store import newest_first
+from pagewise.serving.protocol import RequestStatus
 
 TOP_TENANTS = 5
 OVERVIEW_WINDOW = dt.timedelta(days=1)

@@ -39,8 +39,8 @@ def _moment(value: str) -> dt.datetime:
 
 
 def _print_price(price: Any) -> None:
-    from pagewise.platform.billing.money import format_dollars
     from pagewise.platform.db.models import as_utc
+    from pagewise.serving.money import format_dollars
 
     effective_from = as_utc(price.effective_from)
     print(

@@ -16,7 +16,7 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.jobs.exports import ExportError, export_paths, month_bounds
+from pagewise.platform.billing.export_files import ExportError, export_paths, month_bounds
 from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.db.models import BillingExport, as_utc
 from pagewise.platform.db.session import DbSession

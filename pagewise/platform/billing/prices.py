@@ -15,14 +15,14 @@ from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.billing.money import MICROS_PER_DOLLAR, micros_for, parse_dollars
 from pagewise.platform.billing.schemas import MAX_PRICE_MICROS, Dollars, PriceCreate, PriceOut
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ModelPrice, as_utc, utcnow
 from pagewise.platform.errors import APIError, invalid_request
-from pagewise.platform.quotas.quota_store import SpendRate
 from pagewise.platform.tenants.names import clean_name
+from pagewise.serving.money import MICROS_PER_DOLLAR, micros_for, parse_dollars
+from pagewise.serving.protocol import SpendRate
 
 
 class PriceTerms(Protocol):

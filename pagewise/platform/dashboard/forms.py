@@ -14,10 +14,10 @@ from typing import get_args
 
 from litestar.datastructures import FormMultiDict
 
-from pagewise.platform.db.models import RequestStatus
 from pagewise.platform.errors import invalid_request
 from pagewise.platform.keys.schemas import KeyCreate, Scope
 from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate, TenantStatus, TenantUpdate
+from pagewise.serving.protocol import RequestStatus
 
 SCOPES: tuple[str, ...] = get_args(Scope)
 TENANT_STATUSES: tuple[str, ...] = get_args(TenantStatus)

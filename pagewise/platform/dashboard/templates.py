@@ -10,7 +10,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.template.config import TemplateConfig
 
-from pagewise.platform.billing.money import format_dollars
+from pagewise.serving.money import format_dollars
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 NOTHING = "—"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import enum
 from typing import Any
 
 from sqlalchemy import (
@@ -22,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from pagewise.serving.protocol import RequestStatus
+
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
@@ -30,16 +31,6 @@ def utcnow() -> dt.datetime:
 def as_utc(value: dt.datetime) -> dt.datetime:
     """SQLite hands back naive datetimes; everything stored is UTC."""
     return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
-
-
-class RequestStatus(enum.StrEnum):
-    """A request row's status: `queued` → `running` → one terminal status, never changed afterwards."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 UNFINISHED_STATUSES = (RequestStatus.QUEUED, RequestStatus.RUNNING)

@@ -6,7 +6,7 @@ Invariants:
   handed to an engine last. If the row or the hand-over fails, the reservation is released (and the row, if
   written, failed), so there is never a reservation without a row nor a row that no engine will ever finish.
 - The engine's side owns the request from then on: it writes the final row, the day's usage and the quota
-  reconciliation exactly once (`pagewise.worker.execution`). This side only reads the request's events, and
+  reconciliation exactly once (`pagewise.serving.execution`). This side only reads the request's events, and
   aborts the request when its reader goes away before the end (a client hanging up, even before the first
   chunk; shutdown) — the engine then bills what it computed and ends the row `cancelled`.
 - A reader never hangs: when no event arrives for `STALL_S`, the row is consulted; a final row ends the read.
@@ -40,10 +40,9 @@ from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import cheap_refusal, never_fits
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
-from pagewise.platform.quotas.quota_store import Reservation
-from pagewise.platform.requests.store import FinishedRequest, finished_event
 from pagewise.platform.services import PlatformServices
-from pagewise.protocol import (
+from pagewise.serving.ledgers import FinishedRequest, finished_event
+from pagewise.serving.protocol import (
     ChoiceDelta,
     Delta,
     ErrorCode,
@@ -52,6 +51,7 @@ from pagewise.protocol import (
     Finished,
     PositionLogprobs,
     Rejected,
+    Reservation,
     Submit,
     Usage,
 )
@@ -232,7 +232,11 @@ class InferenceJob:
         """Tokens billed: the engine's final count once ended, before that what its deltas reported."""
         if self.final is not None:
             return self.final.usage
-        return Usage(self._prompt_tokens, sum(c.num_tokens for c in self.choices.values()), self._cached_tokens)
+        return Usage(
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=sum(c.num_tokens for c in self.choices.values()),
+            cached_tokens=self._cached_tokens,
+        )
 
     @property
     def ended(self) -> bool:

@@ -1,7 +1,7 @@
 """The orphan sweep: what ends the rows of an engine that stopped.
 
 Every admitted request's row carries a lease (`lease_expires_at`). The engine running it — in this process or in
-a worker — renews that lease and the quota reservation's a few times per lease (`pagewise.worker.host`). An
+a worker — renews that lease and the quota reservation's a few times per lease (`pagewise.serving.host`). An
 engine that dies stops renewing: its quota slots come back when their leases run out, and this sweep, run by
 every API replica, marks its rows `failed`, so no row stays `queued` or `running` forever. In distributed mode a
 dead worker's requests are redelivered to a live one first, which renews their leases before they expire.

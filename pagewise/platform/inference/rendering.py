@@ -29,7 +29,7 @@ from pagewise.platform.inference.schemas import (
     TopLogprob,
     Usage,
 )
-from pagewise.protocol import ChoiceDelta, PositionLogprobs, TokenLogprob
+from pagewise.serving.protocol import ChoiceDelta, PositionLogprobs, TokenLogprob
 
 _DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

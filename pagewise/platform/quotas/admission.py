@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 
-from pagewise.platform.billing.money import format_dollars
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.quotas.quota_store import (
     Decision,
@@ -27,6 +26,7 @@ from pagewise.platform.quotas.quota_store import (
     ScopeState,
     first_rejection,
 )
+from pagewise.serving.money import format_dollars
 
 REQUEST_EXCEEDS_LIMIT = "request_exceeds_limit"
 _WHOSE = {"tenant": "the tenant's", "key": "this API key's"}

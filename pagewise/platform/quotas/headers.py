@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from pagewise.platform.billing.money import format_dollars
 from pagewise.platform.errors import APIError
 from pagewise.platform.quotas.quota_store import Decision, QuotaLimits, QuotaUsage
+from pagewise.serving.money import format_dollars
 
 
 def format_reset(seconds: float) -> str:

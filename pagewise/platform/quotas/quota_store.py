@@ -38,7 +38,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from pagewise.platform.billing.money import micros_for
+from pagewise.serving.protocol import Reservation, SpendRate
 
 Rejection = Literal["concurrency", "requests", "tokens", "monthly_budget", "monthly_spend"]
 Scope = Literal["tenant", "key"]
@@ -60,44 +60,6 @@ class KeyQuota(msgspec.Struct, frozen=True):
 
     key_id: str
     limits: QuotaLimits
-
-
-class SpendRate(msgspec.Struct, frozen=True):
-    """How a reservation's tokens count as spend: the first `prompt_tokens` at the input price, the rest at
-    the output price (micro-dollars per million tokens)."""
-
-    prompt_tokens: int
-    input_per_mtok_micros: int
-    output_per_mtok_micros: int
-
-    def cost(self, tokens: int) -> int:
-        prompt = min(tokens, self.prompt_tokens)
-        return micros_for(prompt * self.input_per_mtok_micros + (tokens - prompt) * self.output_per_mtok_micros)
-
-
-class Reservation(msgspec.Struct, frozen=True):
-    """What one admitted request holds: `tokens`, `slots` concurrency slots (at least 1) and `spend`
-    micro-dollars (`rate.cost(tokens)`; 0 without a rate), counted for its tenant and, with `key_id`, its key.
-
-    `minute` and `month` name the windows its tokens and spend were counted in.
-    """
-
-    id: str
-    tenant_id: str
-    tokens: int
-    minute: int
-    month: str
-    slots: int = 1
-    key_id: str | None = None
-    spend: int = 0
-    rate: SpendRate | None = None
-
-    def spend_delta(self, actual_tokens: int, actual_cost: int | None = None) -> int:
-        """What `reconcile` adds to the spend counters: the bill (`actual_cost`; without it, the rate's upper
-        bound of `actual_tokens`, 0 without a rate) minus what was reserved."""
-        if actual_cost is not None:
-            return actual_cost - self.spend
-        return 0 if self.rate is None else self.rate.cost(actual_tokens) - self.spend
 
 
 class MonthToDate(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,69 +23,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.billing.prices import price_in_effect, request_cost
 from pagewise.platform.db.database import Database
-from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
+from pagewise.platform.db.faults import is_database_fault
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
-from pagewise.protocol import ErrorCode, ErrorInfo, Finished, Usage
+from pagewise.serving.ledgers import FinishedRequest, Settled
+from pagewise.serving.protocol import RequestStatus
 
 ORPHANED_ERROR = "orphaned: the process serving it stopped before it finished"
-
-
-class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a request's final write records."""
-
-    status: str
-    output: list[dict[str, Any]]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    error: str | None
-    started_at: dt.datetime | None
-    first_token_at: dt.datetime | None
-    finished_at: dt.datetime
-
-    @classmethod
-    def failed(cls, error: str) -> FinishedRequest:
-        """A request that never ran: failed now with `error`, nothing produced, nothing billed."""
-        return cls(
-            status=RequestStatus.FAILED.value,
-            output=[],
-            finish_reason=None,
-            prompt_tokens=0,
-            completion_tokens=0,
-            cached_tokens=0,
-            error=error,
-            started_at=None,
-            first_token_at=None,
-            finished_at=dt.datetime.now(dt.UTC),
-        )
-
-
-class Settled(msgspec.Struct, frozen=True):
-    """What the final write that finished a row billed: the row's `cost_micros`."""
-
-    cost_micros: int
-
-
-def finished_event(final: FinishedRequest, attempt: int) -> Finished:
-    """The `Finished` message a final row stands for. Errors are stored as `<ErrorCode>: <message>`; a row failed
-    by a sweep (no code) reads as `worker_lost`."""
-    error = None
-    if final.error is not None:
-        code, _, message = final.error.partition(": ")
-        if code in ErrorCode._value2member_map_:
-            error = ErrorInfo(ErrorCode(code), message)
-        else:
-            error = ErrorInfo(ErrorCode.WORKER_LOST, final.error)
-    return Finished(
-        attempt=attempt,
-        status=final.status,
-        usage=Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
-        error=error if final.status == RequestStatus.FAILED.value else None,
-        started_at=None if final.started_at is None else final.started_at.timestamp(),
-        first_token_at=None if final.first_token_at is None else final.first_token_at.timestamp(),
-        finished_at=final.finished_at.timestamp(),
-    )
 
 
 _ROWS = RequestRecord.__table__
@@ -156,6 +100,9 @@ class RequestStore:
                 .where(RequestRecord.id.in_(request_ids), RequestRecord.status.in_(UNFINISHED_STATUSES))
                 .values(lease_expires_at=until.astimezone(dt.UTC))
             )
+
+    def is_unreachable(self, error: BaseException) -> bool:
+        return is_database_fault(error)
 
     async def fail_orphans(self, now: dt.datetime) -> int:
         """Fail the unfinished rows whose lease expired before `now` (their process stopped); returns how

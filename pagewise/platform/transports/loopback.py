@@ -13,8 +13,8 @@ from typing import Any
 
 from pagewise import tracing
 from pagewise.engine.tokenizer import Tokenizer
-from pagewise.protocol import EngineInfo, Event, Finished, Rejected, Submit, WorkerHeartbeat
-from pagewise.worker.host import EngineHost
+from pagewise.serving.host import EngineHost
+from pagewise.serving.protocol import EngineInfo, Event, Finished, Rejected, Submit, WorkerHeartbeat
 
 RETAIN_S = 60.0
 TERMINAL = (Finished, Rejected)

@@ -30,9 +30,8 @@ import redis.asyncio as redis
 
 from pagewise import tracing
 from pagewise.engine.tokenizer import Tokenizer
-from pagewise.platform.engine_client import tokenizer_from_spec
 from pagewise.platform.errors import APIError
-from pagewise.protocol import (
+from pagewise.serving.protocol import (
     EngineInfo,
     Event,
     Finished,
@@ -43,6 +42,7 @@ from pagewise.protocol import (
     decode_event,
     encode,
 )
+from pagewise.serving.tokenizer_spec import tokenizer_from_spec
 
 logger = logging.getLogger(__name__)
 REFRESH_S = 0.5  # how often the worker list and the model's EngineInfo are re-read

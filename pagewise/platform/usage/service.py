@@ -19,8 +19,9 @@ from litestar.params import QueryParameter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, RequestStatus, UsageDaily, as_utc
+from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
+from pagewise.serving.protocol import RequestStatus
 
 MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a datetime holds
 UnixTime = Annotated[int | None, QueryParameter(ge=0, le=MAX_UNIX_TIME, description="Unix seconds")]

@@ -12,7 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ModelPrice, RequestRecord, UsageDaily
-from pagewise.platform.requests.store import FinishedRequest, RequestStore
+from pagewise.platform.requests.store import RequestStore
+from pagewise.serving.ledgers import FinishedRequest
 
 from ..harness import Platform, bearer, chat_body
 from ..requests.rows import request_row

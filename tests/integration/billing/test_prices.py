@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from pagewise.platform.billing.money import format_dollars, parse_dollars
+from pagewise.serving.money import format_dollars, parse_dollars
 
 from ..harness import Platform, bearer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pagewise.protocol import Delta, Event, Finished, Submit
+from pagewise.serving.protocol import Delta, Event, Finished, Submit
 
 from ..harness import MODEL, Platform, bearer
 

@@ -25,7 +25,7 @@ from pagewise.platform.inference.prompts import prepare_completion
 from pagewise.platform.inference.schemas import CompletionRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.quota_store import QuotaLimits
-from pagewise.protocol import Submit
+from pagewise.serving.protocol import Submit
 
 from ..harness import MODEL, Platform, asgi_scope, bearer
 

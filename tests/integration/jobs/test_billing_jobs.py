@@ -15,12 +15,13 @@ import secrets
 
 from sqlalchemy import func, select
 
-from pagewise.jobs.exports import export_paths
+from pagewise.platform.billing.export_files import export_paths
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ApiKey, BillingExport, ModelPrice, RequestRecord, Tenant
 from pagewise.platform.db.session import create_db_engine
-from pagewise.platform.requests.store import FinishedRequest, RequestStore
+from pagewise.platform.requests.store import RequestStore
+from pagewise.serving.ledgers import FinishedRequest
 
 from .conftest import Jobs
 

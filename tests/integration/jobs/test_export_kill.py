@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from pagewise.jobs.celery_app import celery_config
 from pagewise.jobs.database import session_factory
-from pagewise.jobs.exports import export_paths
+from pagewise.platform.billing.export_files import export_paths
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import ApiKey, BillingExport, RequestRecord, Tenant
 from pagewise.platform.settings import Settings

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from pagewise.platform.quotas.quota_store import KeyQuota, QuotaLimits, QuotaStore, SpendRate
+from pagewise.platform.quotas.quota_store import KeyQuota, QuotaLimits, QuotaStore
+from pagewise.serving.protocol import SpendRate
 
 pytestmark = pytest.mark.anyio
 

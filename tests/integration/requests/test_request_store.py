@@ -16,9 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import RequestRecord, Tenant, UsageDaily, as_utc
-from pagewise.platform.requests.store import ORPHANED_ERROR, FinishedRequest, RequestStore, Settled
+from pagewise.platform.requests.store import ORPHANED_ERROR, RequestStore
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
+from pagewise.serving.ledgers import FinishedRequest, Settled
 
 from .rows import request_row
 

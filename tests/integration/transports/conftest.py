@@ -25,8 +25,8 @@ from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
-from pagewise.protocol import RedisKeys
-from pagewise.worker.host import EngineHost
+from pagewise.serving.host import EngineHost
+from pagewise.serving.protocol import RedisKeys
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL

@@ -23,9 +23,9 @@ from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
-from pagewise.protocol import ChoiceDelta, Delta, Event, Finished, RedisKeys, Usage, decode_event, encode
-from pagewise.worker.execution import Emit
-from pagewise.worker.host import EngineHost
+from pagewise.serving.execution import Emit
+from pagewise.serving.host import EngineHost
+from pagewise.serving.protocol import ChoiceDelta, Delta, Event, Finished, RedisKeys, Usage, decode_event, encode
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
@@ -191,8 +191,8 @@ async def test_a_live_workers_submit_is_held_and_a_taken_over_one_is_fenced(
                       cached_tokens=0),
                 Delta(attempt=1, choices=[ChoiceDelta(0, "STALE", [3], None)], prompt_tokens=prompt_tokens,
                       cached_tokens=0),
-                Finished(attempt=2, status="completed", usage=Usage(prompt_tokens, sent + 1, 0),
-                         finished_at=time.time()),
+                Finished(attempt=2, status="completed",
+                         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=sent + 1), finished_at=time.time()),
             ):
                 await direct.xadd(stream, {"m": encode(event)})
             response = await asyncio.wait_for(answer, 30)

@@ -12,8 +12,8 @@ from pagewise.platform.quotas.memory_store import InProcessQuotaStore
 from pagewise.platform.quotas.quota_store import QuotaLimits
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.tracing import TracedQuotaStore
-from pagewise.protocol import Finished, RedisKeys, Usage, decode_event
-from pagewise.worker.host import EngineHost
+from pagewise.serving.host import EngineHost
+from pagewise.serving.protocol import Finished, RedisKeys, Usage, decode_event
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
@@ -23,7 +23,8 @@ LIMITS = QuotaLimits(max_concurrent_requests=1)
 
 
 def _finished(tokens: int) -> Finished:
-    return Finished(attempt=1, status="completed", usage=Usage(3, tokens - 3, 0), finished_at=time.time())
+    usage = Usage(prompt_tokens=3, completion_tokens=tokens - 3)
+    return Finished(attempt=1, status="completed", usage=usage, finished_at=time.time())
 
 
 async def test_the_reconcile_and_the_terminal_event_go_in_one_transaction(

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord, UsageDaily
-from pagewise.protocol import ErrorCode, Rejected, Submit
+from pagewise.serving.protocol import ErrorCode, Rejected, Submit
 
 from ..harness import MODEL, Platform, bearer
 

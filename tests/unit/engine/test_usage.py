@@ -39,10 +39,17 @@ def tiny(tiny_model):
 @pytest.fixture(scope="module")
 def config(tiny) -> EngineConfig:
     cfg = tiny[1].config
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
-                                        cfg.hidden_size // cfg.num_attention_heads, torch.float32)
-    return EngineConfig(model=str(tiny[0]), block_size=BLOCK, kv_cache_memory_bytes=128 * per_block,
-                        max_num_batched_tokens=CHUNK, max_num_seqs=8, dtype="float32")
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, torch.float32
+    )
+    return EngineConfig(
+        model=str(tiny[0]),
+        block_size=BLOCK,
+        kv_cache_memory_bytes=128 * per_block,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        dtype="float32",
+    )
 
 
 def make_llm(config: EngineConfig, **overrides) -> LLM:
@@ -61,10 +68,13 @@ def test_usage_of_finished_requests(config) -> None:
     llm = make_llm(config)
     prompt = _prompt(21, 1)
     (one,) = llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert one.usage == RequestUsage(21, 0, 5)
-    (three,) = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True),
-                            use_tqdm=False)
-    assert three.usage == RequestUsage(21, 20, 15)  # the prompt once, its 5 full blocks from the cache; 3 samples
+    assert one.usage == RequestUsage(prompt_tokens=21, cached_tokens=0, completion_tokens=5)
+    (three,) = llm.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    assert three.usage == RequestUsage(
+        prompt_tokens=21, cached_tokens=20, completion_tokens=15
+    )  # the prompt once, its 5 full blocks from the cache; 3 samples
     assert three.num_cached_tokens == 20
 
 
@@ -83,8 +93,14 @@ def test_an_aborted_chunked_prefill_is_charged_for_the_chunks_run(config) -> Non
     engine = llm.engine
     shared = _prompt(12, 3)
     llm.generate([shared + [7]], GREEDY, use_tqdm=False)  # leaves 3 full blocks (12 tokens) in the cache
-    for name, prompt, want in [("cold", _prompt(30, 4), RequestUsage(2 * CHUNK, 0, 0)),
-                               ("warm", shared + _prompt(18, 5), RequestUsage(12 + 2 * CHUNK, 12, 0))]:
+    for name, prompt, want in [
+        ("cold", _prompt(30, 4), RequestUsage(prompt_tokens=2 * CHUNK, cached_tokens=0, completion_tokens=0)),
+        (
+            "warm",
+            shared + _prompt(18, 5),
+            RequestUsage(prompt_tokens=12 + 2 * CHUNK, cached_tokens=12, completion_tokens=0),
+        ),
+    ]:
         engine.add_request(name, prompt, GREEDY)
         assert engine.step() == [] and engine.step() == []  # two chunks, no token yet
         assert engine.abort_request(name).usage == want
@@ -93,14 +109,17 @@ def test_an_aborted_chunked_prefill_is_charged_for_the_chunks_run(config) -> Non
 @pytest.mark.parametrize("budget", [None, CHUNK], ids=["whole-prompts", "chunked"])
 def test_a_recompute_is_not_charged_twice(config, tiny, budget) -> None:
     cfg = tiny[1].config
-    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads,
-                                        cfg.hidden_size // cfg.num_attention_heads, torch.float32)
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, torch.float32
+    )
     llm = make_llm(config, kv_cache_memory_bytes=14 * per_block, max_num_batched_tokens=budget)
     prompts = [_prompt(n, 10 + n) for n in (30, 9, 17, 25, 3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
-    assert [o.usage for o in outs] == [RequestUsage(len(p), 0, 10) for p in prompts]
+    assert [o.usage for o in outs] == [
+        RequestUsage(prompt_tokens=len(p), cached_tokens=0, completion_tokens=10) for p in prompts
+    ]
 
 
 # ---- AsyncLLMEngine: the usage future
@@ -133,7 +152,7 @@ def test_usage_future_of_a_finished_request(engine) -> None:
         return outs, await settled(usage)
 
     outs, usage = run(main())
-    assert usage == outs[-1].usage == RequestUsage(10, 0, 5)
+    assert usage == outs[-1].usage == RequestUsage(prompt_tokens=10, cached_tokens=0, completion_tokens=5)
 
 
 def test_usage_future_when_the_consumer_leaves_after_k_tokens(engine) -> None:
@@ -188,7 +207,7 @@ def test_usage_future_when_the_consumer_leaves_before_the_engine_saw_it(engine, 
         return result, engine.engine.prompt_tokens_total - before
 
     usage, added_prompt_tokens = run(main())
-    assert usage == RequestUsage(0, 0, 0)
+    assert usage == RequestUsage(prompt_tokens=0, cached_tokens=0, completion_tokens=0)
     assert added_prompt_tokens == 0
 
 
@@ -211,7 +230,7 @@ def test_usage_future_of_a_chunked_prefill_aborted_midway(engine, monkeypatch) -
         return outs, await settled(usage)
 
     outs, usage = run(main())
-    assert usage == RequestUsage(2 * CHUNK, 0, 0)
+    assert usage == RequestUsage(prompt_tokens=2 * CHUNK, cached_tokens=0, completion_tokens=0)
     assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert outs[0].usage == usage
 
@@ -225,4 +244,4 @@ def test_usage_future_of_a_rejected_request(engine, prompt) -> None:
                 pass
         return await settled(usage)
 
-    assert run(main()) == RequestUsage(0, 0, 0)
+    assert run(main()) == RequestUsage(prompt_tokens=0, cached_tokens=0, completion_tokens=0)

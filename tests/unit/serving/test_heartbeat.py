@@ -11,7 +11,7 @@ import pytest
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.sampling_params import SamplingParams
-from pagewise.worker.host import EngineHost
+from pagewise.serving.host import EngineHost
 
 
 async def _consume(stream) -> None:

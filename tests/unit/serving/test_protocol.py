@@ -6,8 +6,7 @@ import msgspec
 import pytest
 
 from pagewise.engine.sampling_params import SamplingParams
-from pagewise.platform.quotas.quota_store import Reservation
-from pagewise.protocol import (
+from pagewise.serving.protocol import (
     ChoiceDelta,
     Delta,
     ErrorCode,
@@ -15,6 +14,7 @@ from pagewise.protocol import (
     Finished,
     PositionLogprobs,
     Rejected,
+    Reservation,
     Submit,
     TokenLogprob,
     Usage,
@@ -45,7 +45,13 @@ def test_submit_round_trips() -> None:
         Delta(attempt=2, prompt_tokens=5, cached_tokens=3, choices=[
             ChoiceDelta(3, "hi", [9], "stop", [PositionLogprobs(TokenLogprob(9, "hi", -0.1), [])]),
         ]),
-        Finished(status="completed", usage=Usage(5, 7, 3), finished_at=1.5, started_at=1.0, first_token_at=1.2),
+        Finished(
+            status="completed",
+            usage=Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=3),
+            finished_at=1.5,
+            started_at=1.0,
+            first_token_at=1.2,
+        ),
         Finished(status="failed", usage=Usage(), error=ErrorInfo(ErrorCode.WORKER_LOST, "gone"), finished_at=2.0),
         Rejected(error=ErrorInfo(ErrorCode.INVALID_REQUEST, "bad", "max_tokens")),
     ],

@@ -10,7 +10,7 @@ import pytest
 
 from pagewise.platform.errors import APIError
 from pagewise.platform.transports.redis import RedisTransport
-from pagewise.protocol import RedisKeys, WorkerHeartbeat
+from pagewise.serving.protocol import RedisKeys, WorkerHeartbeat
 
 
 def _beat(

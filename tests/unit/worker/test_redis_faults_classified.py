@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as redis
 
-from pagewise.platform.faults import is_redis_fault
+from pagewise.serving.faults import is_redis_fault
 
 
 @pytest.mark.parametrize(

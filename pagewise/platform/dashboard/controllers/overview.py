@@ -13,10 +13,10 @@ from pagewise.platform.dashboard.access import Admin
 from pagewise.platform.dashboard.live import LiveStats, live_stats
 from pagewise.platform.dashboard.pages import render
 from pagewise.platform.dashboard.usage_view import usage_chart
-from pagewise.platform.db.models import RequestStatus
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.services import Services
 from pagewise.platform.usage.service import usage_page
+from pagewise.serving.protocol import RequestStatus
 
 
 class OverviewController(Controller):

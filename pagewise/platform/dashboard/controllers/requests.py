@@ -14,12 +14,13 @@ from pagewise.platform.admin.queries import find_requests
 from pagewise.platform.dashboard.access import Admin
 from pagewise.platform.dashboard.forms import request_status, utc_time
 from pagewise.platform.dashboard.pages import render
-from pagewise.platform.db.models import RequestRecord, RequestStatus
+from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import not_found
 from pagewise.platform.keys.auth import DASHBOARD_PATH
 from pagewise.platform.requests.schemas import request_out
 from pagewise.platform.tenants.service import TenantService
+from pagewise.serving.protocol import RequestStatus
 
 PAGE_SIZE = 50
 FILTERS = ("tenant_id", "status", "since", "until")

@@ -5,7 +5,7 @@ Invariants:
   — emitted only after the request's final row is written, so a client that saw the end reads a final row. Every
   delta is emitted before that write: a worker killed between the write and the end leaves a redelivery only the
   row's `Finished` to re-send, and the client already has every token.
-- The final write is guarded (`RequestStore.finish` only moves an unfinished row); the quota reservation is
+- The final write is guarded (`RequestLedger.finish` only moves an unfinished row); the quota reservation is
   reconciled to the billed tokens and cost by the execution whose write won — and again, as a no-op unless its
   writer died in between, by any execution that finds the row already final (`reconcile` acts once per
   reservation; that late one settles the row's tokens, and their cost's upper bound). A
@@ -36,10 +36,8 @@ from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagewise.platform.faults import is_database_fault
-from pagewise.platform.quotas.quota_store import QuotaStore, Reservation
-from pagewise.platform.requests.store import FinishedRequest, RequestStore, Settled, finished_event
-from pagewise.protocol import (
+from pagewise.serving.ledgers import FinishedRequest, QuotaLedger, RequestLedger, Settled, finished_event
+from pagewise.serving.protocol import (
     ChoiceDelta,
     Delta,
     ErrorCode,
@@ -48,11 +46,12 @@ from pagewise.protocol import (
     Finished,
     PositionLogprobs,
     Rejected,
+    Reservation,
     Submit,
     TokenLogprob,
     Usage,
 )
-from pagewise.worker.request_trace import RequestTrace
+from pagewise.serving.request_trace import RequestTrace
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -96,8 +95,8 @@ class Execution:
         self,
         submit: Submit,
         engine: AsyncLLMEngine,
-        requests: RequestStore,
-        quotas: QuotaStore,
+        requests: RequestLedger,
+        quotas: QuotaLedger,
         emit: Emit,
         *,
         attempt: int = 1,
@@ -300,14 +299,14 @@ class Execution:
             logger.exception("request %s: no usage report; billing the streamed counts", self.request_id)
             reached = [p for p in self._prompts if p.reached_engine]
             return Usage(
-                sum(p.prompt_tokens for p in reached),
-                sum(c.num_tokens for c in self._choices),
-                sum(p.cached_tokens for p in reached),
+                prompt_tokens=sum(p.prompt_tokens for p in reached),
+                completion_tokens=sum(c.num_tokens for c in self._choices),
+                cached_tokens=sum(p.cached_tokens for p in reached),
             )
         return Usage(
-            sum(u.prompt_tokens for u in usages),
-            sum(u.completion_tokens for u in usages),
-            sum(u.cached_tokens for u in usages),
+            prompt_tokens=sum(u.prompt_tokens for u in usages),
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            cached_tokens=sum(u.cached_tokens for u in usages),
         )
 
     async def _finish(self, result: FinishedRequest) -> Settled | None:
@@ -324,7 +323,7 @@ class Execution:
                     )
                     break
                 except Exception as error:
-                    if not is_database_fault(error) or time.monotonic() + delay > deadline:
+                    if not self._requests.is_unreachable(error) or time.monotonic() + delay > deadline:
                         raise
                     logger.warning("request %s: final write failed (%s); retrying in %.1f s", self.request_id,
                                    error, delay)

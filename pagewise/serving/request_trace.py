@@ -37,7 +37,7 @@ from pagewise.engine.outputs import (
     Resumed,
     Scheduled,
 )
-from pagewise.protocol import ErrorInfo, Event, Finished, Submit
+from pagewise.serving.protocol import ErrorInfo, Event, Finished, Submit
 
 PROGRESS_EVERY = 256  # generated tokens between two `pagewise.tokens` events of the decode span
 

@@ -22,12 +22,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagewise.platform.engine_client import tokenizer_spec
-from pagewise.platform.quotas.quota_store import QuotaStore
-from pagewise.platform.requests.store import RequestStore
-from pagewise.platform.telemetry import PlatformMetrics
-from pagewise.protocol import EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
-from pagewise.worker.execution import Emit, Execution, Hold, Settle
+from pagewise.serving.execution import Emit, Execution, Hold, Settle
+from pagewise.serving.ledgers import QuotaLedger, RequestLedger, SettlementObserver
+from pagewise.serving.protocol import EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
+from pagewise.serving.tokenizer_spec import tokenizer_spec
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -41,9 +39,9 @@ class EngineHost:
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        requests: RequestStore,
-        quotas: QuotaStore,
-        metrics: PlatformMetrics | None = None,
+        requests: RequestLedger,
+        quotas: QuotaLedger,
+        metrics: SettlementObserver | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
