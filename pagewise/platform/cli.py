@@ -416,11 +416,3 @@ async def _keys_rotate(session: Any, args: argparse.Namespace) -> None:
     print(created.key)
     old = f"works until {_expiry_text(key.expires_at)}" if grace else "is revoked"
     print(f"(key {created.id} replaces {key.id}, which {old}; the new key is shown only once)", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pagewise.platform …`: the same commands without the engine's own CLI."""
-    parser = argparse.ArgumentParser(prog="pagewise")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))

@@ -148,7 +148,7 @@ def llm_engine() -> Iterator[AsyncLLMEngine]:
 @pytest.fixture
 def cli(database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     """Run one `pagewise` admin command on the test's database; (exit code, stdout lines, stderr lines)."""
-    from pagewise.platform.cli import main
+    from pagewise.cli import main
 
     monkeypatch.setenv("PAGEWISE_DATABASE_URL", database_url)
 

@@ -35,7 +35,7 @@ def exposition(tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable) -
     workdir = tmp_path_factory.mktemp("metrics")
     model, _ = tiny_model("metrics-names")
     args = ["--model", str(model), "--max-model-len", "128", "--kv-cache-memory-bytes", str(4 * 2**20)]
-    serve = (sys.executable, "-m", "pagewise.platform", "serve")
+    serve = (sys.executable, "-m", "pagewise.cli", "serve")
     database_url = f"sqlite+aiosqlite:///{workdir / 'metrics.db'}"
     env = {"PAGEWISE_METRICS_TOKEN": METRICS_TOKEN}
     with local_server(workdir, database_url, args, env=env, command=serve) as server:

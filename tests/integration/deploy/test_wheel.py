@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from pagewise.platform.db import migrate
 assert migrate.MIGRATIONS_DIR.is_relative_to(Path(sys.argv[1]).resolve()), migrate.MIGRATIONS_DIR
-from pagewise.platform.cli import main
+from pagewise.cli import main
 sys.exit(main(["db", "upgrade", "--database-url", sys.argv[2]]))
 """
 

@@ -1,4 +1,4 @@
-"""The real server process (`python -m pagewise.platform serve`) driven by the official `openai` client."""
+"""The real server process (`python -m pagewise.cli serve`) driven by the official `openai` client."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     """(base URL, admin key): the first start on an empty database stores the key given in PAGEWISE_ADMIN_KEY."""
     workdir = tmp_path_factory.mktemp("server")
     database_url = f"sqlite+aiosqlite:///{workdir / 'e2e.db'}"
-    serve = (sys.executable, "-m", "pagewise.platform", "serve")
+    serve = (sys.executable, "-m", "pagewise.cli", "serve")
     with local_server(workdir, database_url, ["--max-model-len", "512"], command=serve) as server:
         yield server.base, server.admin_key
         log = server.log_path

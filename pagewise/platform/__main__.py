@@ -1,5 +1,0 @@
-import sys
-
-from pagewise.platform.cli import main
-
-sys.exit(main())
