@@ -46,6 +46,7 @@ from pagewise.serving.protocol import (
     Finished,
     PositionLogprobs,
     Rejected,
+    RequestStatus,
     Reservation,
     Submit,
     TokenLogprob,
@@ -161,7 +162,7 @@ class Execution:
         if self.submit.deadline is not None and time.time() > self.submit.deadline:
             message = "the request waited past its deadline before an engine could take it"
             return await self._reject(ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
-        status, error = "cancelled", None
+        status, error = RequestStatus.CANCELLED, None
         try:
             if not self._aborted:
                 async with aclosing(_merge([self._stream(i) for i in range(len(self._prompts))])) as outputs:
@@ -170,16 +171,18 @@ class Execution:
                         if self._aborted:
                             break
                 if not self._aborted and not any(c.finish_reason == ABORTED for c in self._choices):
-                    status = "completed"
+                    status = RequestStatus.COMPLETED
         except Superseded:
             raise
         except EngineDeadError:
             logger.exception("request %s failed: the engine stopped", self.request_id)
-            status, error = "failed", ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, "the inference engine stopped")
+            status = RequestStatus.FAILED
+            error = ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, "the inference engine stopped")
         except Exception:  # noqa: BLE001 - one request's failure is reported, never raised into the host
             # the exception's text stays in the log (and the trace): a tenant reads the row's error
             logger.exception("request %s failed on the engine", self.request_id)
-            status, error = "failed", ErrorInfo(ErrorCode.INTERNAL, "the engine failed while running this request")
+            status = RequestStatus.FAILED
+            error = ErrorInfo(ErrorCode.INTERNAL, "the engine failed while running this request")
         # Cancellation (the host's loop going down) skips this: the row's lease then expires, and the request
         # is failed as an orphan or, in distributed mode, redelivered to another worker.
         return await asyncio.shield(asyncio.ensure_future(self._settle(status, error)))
@@ -246,11 +249,11 @@ class Execution:
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
-        won = await self._finish(self._result("failed", error, Usage())) is not None
+        won = await self._finish(self._result(RequestStatus.FAILED, error, Usage())) is not None
         self.won = won
         return await self._send(Rejected(error=error), reconcile=(0, None) if won else None)
 
-    async def _settle(self, status: str, error: ErrorInfo | None) -> Event:
+    async def _settle(self, status: RequestStatus, error: ErrorInfo | None) -> Event:
         usage = await self._usage()
         result = self._result(status, error, usage)
         settled = await self._finish(result)
@@ -332,7 +335,7 @@ class Execution:
             span.set_attribute("pagewise.persist.won", settled is not None)
             return settled
 
-    def _result(self, status: str, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
+    def _result(self, status: RequestStatus, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
         return FinishedRequest(
             status=status,
             output=[

@@ -53,6 +53,7 @@ from pagewise.serving.protocol import (
     Event,
     Finished,
     RedisKeys,
+    RequestStatus,
     Reservation,
     Usage,
     decode_submit,
@@ -506,7 +507,9 @@ class RedisWorker:
             await quotas.reconcile(submit.reservation, 0)
         elif (final := await requests.final_state(submit.request_id)) is not None:  # its writer died before this
             await quotas.reconcile(submit.reservation, final.prompt_tokens + final.completion_tokens)
-        finished = Finished(attempt=deliveries, status="failed", usage=Usage(), error=error, finished_at=time.time())
+        finished = Finished(
+            attempt=deliveries, status=RequestStatus.FAILED, usage=Usage(), error=error, finished_at=time.time()
+        )
         await self._emitter(submit.request_id)(finished)
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
