@@ -191,20 +191,6 @@ def _check_port_free(host: str, port: int) -> None:
         raise StartupError(f"cannot listen on {host}:{port}: {reason} (choose another with --port)") from None
 
 
-def _check_engine(settings: Settings) -> None:
-    """Validate the engine flags and find the model before loading it (imports torch: only where this process
-    runs the engine)."""
-    from pagewise.engine.config import EngineConfig
-    from pagewise.engine.errors import InvalidConfigError
-    from pagewise.engine.loader import ModelNotFoundError, resolve_model_path
-
-    try:
-        EngineConfig(**settings.engine.engine_kwargs())
-        resolve_model_path(settings.engine.model)
-    except (InvalidConfigError, ModelNotFoundError) as error:
-        raise StartupError(str(error)) from None
-
-
 @_exits_2_on_startup_error
 def serve_command(args: argparse.Namespace) -> int:
     """Serve until stopped; exit status 3 when the server stopped because its engine died (restart it)."""
@@ -212,6 +198,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from pagewise.platform.app import create_app
     from pagewise.platform.db.session import redacted_url
+    from pagewise.platform.engine_loader import engine_problem
     from pagewise.platform.redis_check import check_redis, redis_address
     from pagewise.structured_logs import configure_logging
 
@@ -224,8 +211,8 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"pagewise: redis {redis_address(settings.redis_url)}", file=sys.stderr)
     if settings.engine_mode == "redis":
         print(f"pagewise: engine workers over Redis Streams, model {settings.engine.model}", file=sys.stderr)
-    else:
-        _check_engine(settings)
+    elif (problem := engine_problem(settings)) is not None:
+        raise StartupError(problem)
     configure_logging(args.log_level)  # JSON lines with trace ids, readable on a terminal; uvicorn's loggers too
     config = uvicorn.Config(
         None, host=args.host, port=args.port, log_level=args.log_level, server_header=False, log_config=None

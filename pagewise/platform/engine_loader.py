@@ -16,6 +16,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagewise.platform")
 
 
+def engine_problem(settings: Settings) -> str | None:
+    """What is wrong with the engine settings (bad flags, no such model), checked before the model is loaded;
+    `None` when nothing is. Imports torch: call it only where this process runs the engine."""
+    from pagewise.engine.config import EngineConfig
+    from pagewise.engine.errors import InvalidConfigError
+    from pagewise.engine.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        EngineConfig(**settings.engine.engine_kwargs())
+        resolve_model_path(settings.engine.model)
+    except (InvalidConfigError, ModelNotFoundError) as error:
+        return str(error)
+    return None
+
+
 def load_engine(settings: Settings, on_dead: Callable[[], None] | None = None) -> AsyncLLMEngine:
     """Load the model into an engine of this process's own (seconds to minutes; blocking): stepped in a child
     process, or with `engine_process` off in a thread of this one.
