@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagewise.exit_status import ExitStatus
 from pagewise.jobs import cli as jobs_cli
 from pagewise.platform import cli as platform_cli
 from pagewise.platform.billing import cli as billing_cli
@@ -79,13 +80,13 @@ def _generate(args: argparse.Namespace) -> int:
             outputs = llm.generate(args.prompts, params)
     except (InvalidConfigError, InvalidRequestError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitStatus.STARTUP_ERROR
     for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
         print(
             f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]\n"
         )
-    return 0
+    return ExitStatus.OK
 
 
 def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:

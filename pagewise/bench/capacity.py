@@ -21,6 +21,7 @@ import random
 import statistics
 
 from pagewise.bench._common import Timer, add_model_arg, print_table, progress, random_tokens
+from pagewise.exit_status import ExitStatus
 
 
 def kv_bytes_per_token(model: str, dtype: str = "float32") -> tuple[int, int]:
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 ("ratio (sustained min / static)", result["ratio_sustained_min"]),
             ]
         )
-    return 0
+    return ExitStatus.OK
 
 
 def register(subparsers) -> None:

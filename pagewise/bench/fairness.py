@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagewise.bench._common import Timer, add_model_arg, latency_summary, print_table, progress, random_tokens
+from pagewise.exit_status import ExitStatus
 
 FLOOD, QUIET = "flood", "quiet"
 POLICIES = ("fair", "fcfs")
@@ -309,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     workload = _resolve(args)
     if problem := _usage_error(workload, args.max_model_len):
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return ExitStatus.STARTUP_ERROR
     clock = Timer()
     phases: dict[str, dict[str, Any]] = {}
     model = args.model
@@ -321,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             phases.update(asyncio.run(_phases(engine, workload, policy)))
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
-            return 1
+            return ExitStatus.FAILED
         finally:
             engine.shutdown()
             del engine
@@ -332,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print_table(result)
-    return 0
+    return ExitStatus.OK
 
 
 def _result(

@@ -44,6 +44,7 @@ from pagewise.bench._common import progress as log
 from pagewise.bench.fault_proxy import BackgroundProxy
 from pagewise.bench.local_server import LocalServer, free_port, local_server, stop_process_group
 from pagewise.bench.stack import Stack, distributed_stack, start_worker
+from pagewise.exit_status import ExitStatus
 
 TENANTS = 3
 BUDGET_TOKENS = 2_000  # the budgeted tenant's monthly tokens: spent during the run, so refusals happen too
@@ -429,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for name, value in figures.items():
             print(f"{name:<30} {value}")
-    return 0 if ok else 1
+    return ExitStatus.OK if ok else ExitStatus.FAILED
 
 
 async def _drive(stack: Stack, replica: LocalServer, keys: list[str], probe_key: str, model: str, restart_redis,

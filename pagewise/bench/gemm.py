@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pagewise.exit_status import ExitStatus
+
 _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -48,14 +50,14 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         print(json.dumps(result))
-        return 0
+        return ExitStatus.OK
     print(f"cpu: {name} ({', '.join(result['cpu_flags'])}), {result['threads']} threads")
     print(f"{'rows':>6} " + " ".join(f"{p.value:>14}" for p in paths))
     for m in TIMED_ROWS:
         print(f"{m:>6} " + " ".join(f"{timing.gflops_at(p, m):>14.1f}" for p in paths))
     print(f"{'all':>6} " + " ".join(f"{timing.gflops(p):>14.1f}" for p in paths))
     print(f"fastest now: {result['fastest']}; the engine runs: {result['chosen']} ({result['chosen_source']})")
-    return 0
+    return ExitStatus.OK
 
 
 def register(subparsers: Any) -> None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from pagewise.exit_status import ExitStatus
+
 DECODE_CONFIGS = ((64, 4096), (8, 32768))  # (batch, context)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 BANDWIDTH_TARGET, SDPA_TARGET = 0.80, 1.15
@@ -496,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             "pagewise bench kernels needs a CUDA GPU (torch.cuda.is_available() is False).", file=sys.stderr
         )
-        return 2
+        return ExitStatus.STARTUP_ERROR
     import triton
 
     device = torch.device("cuda")
@@ -529,4 +531,4 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_tables(results)
     correct = all(r["ok"] for r in results.get("correctness", []))
-    return 0 if correct and "errors" not in results else 1
+    return ExitStatus.OK if correct and "errors" not in results else ExitStatus.FAILED

@@ -16,6 +16,7 @@ import json
 import random
 
 from pagewise.bench._common import Timer, add_model_arg, blocks_in_use, print_table, progress, random_tokens
+from pagewise.exit_status import ExitStatus
 
 
 def peak_blocks(engine, requests: list[tuple[str, list[int], object]], label: str, clock: Timer) -> tuple[int, int]:
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 ("block_ratio (<= 0.25)", result["block_ratio"]),
             ]
         )
-    return 0
+    return ExitStatus.OK
 
 
 def register(subparsers) -> None:

@@ -22,6 +22,7 @@ import statistics
 import time
 
 from pagewise.bench._common import Timer, add_model_arg, print_table, progress, random_tokens
+from pagewise.exit_status import ExitStatus
 
 KINDS = ("cold", "warm", "cross")
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 ("cross_tenant_ttft_ratio (~1.0)", result["cross_tenant_ttft_ratio"]),
             ]
         )
-    return 0
+    return ExitStatus.OK
 
 
 def register(subparsers) -> None:

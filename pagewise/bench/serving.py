@@ -50,6 +50,7 @@ from pagewise.bench._common import create_inference_key, latency_summary, percen
 from pagewise.bench._common import progress as log
 from pagewise.bench.distributed import prefix_affinity, queue_hop
 from pagewise.bench.local_server import local_server
+from pagewise.exit_status import ExitStatus
 
 DEFAULT_NUM_REQUESTS = 32
 MIXED_NUM_REQUESTS = 64
@@ -468,13 +469,13 @@ def _run_mixed(args: argparse.Namespace) -> int:
         result = run_mixed(args, _server(args))
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     result.update(url=args.url or "local", workers=args.workers, bench_seconds=time.perf_counter() - started)
     if args.json:
         print(json.dumps(result))
     else:
         print_mixed(result)
-    return 0 if result["num_errors"] == 0 else 1
+    return ExitStatus.OK if result["num_errors"] == 0 else ExitStatus.FAILED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -482,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_requests = MIXED_NUM_REQUESTS if args.workload == "mixed" else DEFAULT_NUM_REQUESTS
     if problem := _usage_error(args):
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return ExitStatus.STARTUP_ERROR
     if args.workload == "mixed":
         return _run_mixed(args)
     plan = LoadPlan(args.concurrency, args.max_tokens, args.num_requests, args.duration)
@@ -507,7 +508,7 @@ def run(args: argparse.Namespace) -> int:
                 result.update(prefix_affinity(Path(tmp), engine_args, args.workers, model))
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     finally:
         if engine is not None:
             engine.close()
@@ -516,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print_table(result)
-    return 0 if result["num_errors"] == 0 else 1
+    return ExitStatus.OK if result["num_errors"] == 0 else ExitStatus.FAILED
 
 
 @contextmanager

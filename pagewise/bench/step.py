@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pagewise.bench._common import add_model_arg, print_table, progress
+from pagewise.exit_status import ExitStatus
 
 PARTS = ("matmul_ms", "attention_ms", "sampling_ms", "other_ms")
 _NOT_THE_LIMIT_BYTES = 1 << 40
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             if "speedup_cpu_vs_torch" in figures:
                 rows.append((f"ctx {context} speedup cpu vs torch", figures["speedup_cpu_vs_torch"]))
         print_table(rows)
-    return 0
+    return ExitStatus.OK
 
 
 def register(subparsers) -> None:

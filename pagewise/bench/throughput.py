@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagewise.bench._common import progress as log
+from pagewise.exit_status import ExitStatus
 
 if TYPE_CHECKING:
     from pagewise import LLM
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print_table(result)
-    return 0
+    return ExitStatus.OK
 
 
 def _print_table(result: dict) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pagewise.bench._common import print_table, progress
 from pagewise.bench.otlp_receiver import otlp_receiver
 from pagewise.bench.throughput import Workload, make_workload
+from pagewise.exit_status import ExitStatus
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                 ("spans exported", result["exported"]["spans"]),
             ]
         )
-    return 0
+    return ExitStatus.OK
 
 
 __all__ = ["alternating", "register", "run"]

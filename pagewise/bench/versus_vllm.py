@@ -41,6 +41,7 @@ from typing import Any
 
 from pagewise.bench._common import progress as log
 from pagewise.bench.local_server import stop_process_group
+from pagewise.exit_status import ExitStatus
 
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"  # the on-disk CPU build; an unpinned torch would pull a CUDA build
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_requests < 2 or (args.rates and not all(r > 0 for r in args.rates)):
         print("error: --num-requests must be at least 2 and --rate positive (inf: all at once)", file=sys.stderr)
-        return 2
+        return ExitStatus.STARTUP_ERROR
     args.home = Path(args.home).expanduser() if args.home else default_home()
     args.vllm_dtype = args.vllm_dtype or _vllm_dtype_for(args.dtype)
     args.rates = args.rates or [float("inf"), 0.75]
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         python = ensure_environment(args.home)
         if args.setup_only:
             print(python)
-            return 0
+            return ExitStatus.OK
         weights = ensure_weights(args.model, args.home)
         threads = len(os.sched_getaffinity(0))
         vocab = json.loads((weights / "config.json").read_text())["vocab_size"]
@@ -272,11 +273,11 @@ def run(args: argparse.Namespace) -> int:
             result["served"] = served(python, weights, workload, args, threads)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     result["bench_seconds"] = time.perf_counter() - started
     print(json.dumps(result) if args.json else _table(result))
     errors = sum(load["num_errors"] for side in result.get("served", {}).values() for load in side)
-    return 0 if errors == 0 else 1
+    return ExitStatus.OK if errors == 0 else ExitStatus.FAILED
 
 
 def _vllm_dtype_for(dtype: str) -> str:

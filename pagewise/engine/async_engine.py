@@ -42,12 +42,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pagewise.engine.config import EngineConfig
-from pagewise.engine.core_process import MAX_FAILED_STEPS, EngineCoreProcess
-from pagewise.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, StepFailedError
+from pagewise.engine.core_process import AddRefused, CoreDead, EngineCoreProcess, StepOutputs
+from pagewise.engine.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from pagewise.engine.limits import PromptLimits, prompt_token_ids
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
 from pagewise.engine.outputs import NO_USAGE, RequestOutput, RequestUsage
+from pagewise.engine.request_ids import call_id
 from pagewise.engine.sampling_params import SamplingParams
+from pagewise.engine.step_loop import MAX_FAILED_STEPS, AbortRequest, AddRequest, add_request, run_steps
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
@@ -56,30 +58,25 @@ _logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Call:
-    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue, its usage future, when it
-    was made (``time.monotonic()``: the request's arrival, so its queue time covers the inbox too), its prompt,
-    and the usage its latest delivered output reported."""
+    """One ``generate`` call: the caller's id, its own engine id, its consumer's queue, its usage future, its
+    prompt, and the usage its latest delivered output reported. (Its arrival, ``time.monotonic()`` when the call
+    was made — so its queue time covers the inbox too — travels in its ``AddRequest``.)"""
 
     request_id: str
     engine_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     usage: Future | None
-    arrival_time: float
     prompt_token_ids: list[int]
     prompt: str | None
     usage_so_far: RequestUsage = NO_USAGE
 
 
 class _Add(NamedTuple):
-    """An inbox message: start ``call``'s request (an abort is the tuple ``("abort", engine_id)``)."""
+    """An inbox message: start ``call``'s request (the other one is ``AbortRequest``)."""
 
     call: _Call
-    token_ids: list[int]
-    text: str | None
-    params: SamplingParams
-    tenant_id: str | None
-    tenant_weight: float
+    request: AddRequest
 
 
 def _put_all(items: list[tuple[_Call, RequestOutput | BaseException]]) -> None:
@@ -197,7 +194,7 @@ class AsyncLLMEngine:
         with self._lock:
             engine_id = self._by_caller.pop(request_id, None)
         if engine_id is not None:
-            self._post(("abort", engine_id))
+            self._post(AbortRequest(engine_id))
 
     async def generate(
         self,
@@ -226,17 +223,18 @@ class AsyncLLMEngine:
             _resolve(usage, NO_USAGE)
             raise
         caller_id = request_id or f"req-{next(self._ids)}"
-        engine_id = f"{caller_id}@{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
-        call = _Call(caller_id, engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, arrival, token_ids, text)
-        with self._lock:  # registered and posted together, so an abort for this call is always behind its add
-            if self._error is not None or caller_id in self._by_caller:
-                _resolve(usage, NO_USAGE)
-                self._raise_if_dead()
-                raise InvalidRequestError(f"request id {caller_id!r} is already in use")
-            self._by_caller[caller_id] = call.engine_id
-            self._calls[call.engine_id] = call
-            self._post(_Add(call, token_ids, text, params, tenant_id, tenant_weight))
+        add = AddRequest(
+            engine_id=call_id(caller_id, next(self._ids)),
+            token_ids=token_ids,
+            params=params,
+            tenant_id=tenant_id,
+            tenant_weight=tenant_weight,
+            arrival_time=arrival,
+            prompt_text=text,
+        )
+        call = _Call(caller_id, add.engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, token_ids, text)
+        self._register(call, add)
         ended = False
         try:
             while not ended:
@@ -252,13 +250,25 @@ class AsyncLLMEngine:
                 if self._by_caller.get(caller_id) == call.engine_id:
                     del self._by_caller[caller_id]
             if not ended:
-                self._post(("abort", call.engine_id))
+                self._post(AbortRequest(call.engine_id))
+
+    def _register(self, call: _Call, add: AddRequest) -> None:
+        """Register `call` and post its add, together under the lock (so an abort for it is always behind its
+        add); a caller id still in use, or a dead engine, refuses it."""
+        with self._lock:
+            if self._error is not None or call.request_id in self._by_caller:
+                _resolve(call.usage, NO_USAGE)
+                self._raise_if_dead()
+                raise InvalidRequestError(f"request id {call.request_id!r} is already in use")
+            self._by_caller[call.request_id] = call.engine_id
+            self._calls[call.engine_id] = call
+            self._post(_Add(call, add))
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._error!r}") from self._error
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: _Add | AbortRequest) -> None:
         self._inbox.append(message)
         self._wake.set()
 
@@ -274,38 +284,28 @@ class AsyncLLMEngine:
             self._die(failure, f"{MAX_FAILED_STEPS} steps in a row failed")
 
     def _step_until_stopped(self) -> StepFailedError | None:
-        """Step while there is work, until shutdown (returns None) or ``MAX_FAILED_STEPS`` failed steps in a
-        row (returns the last failure)."""
-        engine = self.engine
-        failed_steps = 0
-        while not self._stopping:
-            self._drain_inbox()
-            if not engine.has_unfinished_requests():
-                self._stats = engine.stats()
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            failure = None
-            try:
-                outputs = engine.step()
-            except StepFailedError as error:
-                failure, outputs = error, error.outputs
-            failed_steps = failed_steps + 1 if failure else 0
-            self._stats = engine.stats()
-            self._deliver(outputs)
-            if failed_steps >= MAX_FAILED_STEPS:
-                return failure
-        return None
+        """`run_steps` on this process's engine, fed by the inbox, until shutdown (None) or ``MAX_FAILED_STEPS``
+        failed steps in a row (the last failure)."""
+        return run_steps(self.engine, self._take_inbox, self._publish)
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self, idle: bool, outputs: list[RequestOutput]) -> bool:
+        if idle and not self._inbox and not self._stopping:
+            self._wake.wait(timeout=1.0)  # bounded: `run_steps` comes back, and the stats stay fresh
+            self._wake.clear()
         while self._inbox:
             message = self._inbox.popleft()
             if isinstance(message, _Add):
                 self._add(message)
             else:
-                final = self.engine.abort_request(message[1])
+                final = self.engine.abort_request(message.engine_id)
                 if final is not None:
-                    self._deliver([final])
+                    outputs.append(final)
+        return not self._stopping
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._stats = self.engine.stats()
+        if outputs:
+            self._deliver(outputs)
 
     def _add(self, add: _Add) -> None:
         call = add.call
@@ -314,23 +314,7 @@ class AsyncLLMEngine:
         if not listening:  # the consumer left before the request got here
             _resolve(call.usage, NO_USAGE)
             return
-        try:
-            self.engine.add_request(
-                call.engine_id,
-                add.token_ids,
-                add.params,
-                add.tenant_id,
-                delta=True,
-                prompt_text=add.text,
-                tenant_weight=add.tenant_weight,
-                arrival_time=call.arrival_time,
-            )
-        except Exception as error:  # noqa: BLE001 - one request's failure is its own
-            if not isinstance(error, InvalidRequestError):
-                _logger.warning("request %r could not be added", call.request_id, exc_info=error)
-                failure = RequestFailedError(f"the request could not be added: {type(error).__name__}: {error}")
-                failure.__cause__ = error
-                error = failure
+        if (error := add_request(self.engine, add.request)) is not None:
             self._send(call, error)
             _resolve(call.usage, NO_USAGE)
             return
@@ -374,7 +358,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the consumers' event loop is closed: nobody is listening any more
                 for call, _ in items:
-                    self._post(("abort", call.engine_id))
+                    self._post(AbortRequest(call.engine_id))
 
     def _die(self, error: BaseException, why: str) -> None:
         """Mark the engine dead, end every stream with ``EngineDeadError``, settle every usage, call ``on_dead``."""
@@ -415,7 +399,7 @@ class AsyncLLMEngine:
                     if isinstance(message, _Add):
                         self._send_add(message)
                     else:
-                        self._core.send(message)
+                        self._core.send(message)  # an AbortRequest
         except (BrokenPipeError, OSError):  # the child is gone; the delivering thread reports it
             return
         self._core.close()
@@ -429,8 +413,7 @@ class AsyncLLMEngine:
         if not listening:  # the consumer left (or the engine died) before the request got here
             _resolve(call.usage, NO_USAGE)
             return
-        wire = (call.engine_id, add.token_ids, add.params, add.tenant_id, add.tenant_weight, call.arrival_time)
-        self._core.send(("add", *wire, add.text))  # core_process's "add" message
+        self._core.send(add.request)
 
     def _pump(self) -> None:
         """Deliver what the child sends until it stops; a child that dies, or exits unasked, kills the engine."""
@@ -438,18 +421,17 @@ class AsyncLLMEngine:
         try:
             while True:
                 message = self._core.recv()
-                kind = message[0]
-                if kind == "outputs":
-                    self._stats = message[2]
-                    self._deliver(message[1])
-                elif kind == "rejected":
+                if isinstance(message, StepOutputs):
+                    self._stats = message.stats
+                    self._deliver(message.outputs)
+                elif isinstance(message, AddRefused):
                     with self._lock:
-                        call = self._in_engine.pop(message[1], None)
+                        call = self._in_engine.pop(message.engine_id, None)
                     if call is not None:
-                        self._send(call, message[2].exception())
+                        self._send(call, message.failure.exception())
                         _resolve(call.usage, NO_USAGE)
-                else:  # "dead"
-                    self._die(RuntimeError(message[1].message), "an error in the engine process")
+                elif isinstance(message, CoreDead):
+                    self._die(RuntimeError(message.failure.message), "an error in the engine process")
                     return
         except (EOFError, OSError):
             if not self._stopping:

@@ -193,6 +193,33 @@ class _PromptSearch:
             self.done = not best_possible > self.finished[-1].score
 
 
+def _extend_beams(
+    engine: LLMEngine,
+    live: list[_PromptSearch],
+    probe: SamplingParams,
+    tenant_id: str | None,
+    new_request_id: Callable[[], str],
+) -> None:
+    """One round: every live beam of every search one token further (one engine request each, run together)."""
+    requests: list[tuple[_PromptSearch, str]] = []
+    try:
+        for search in live:
+            for beam in search.beams:
+                request_id = new_request_id()
+                engine.add_request(request_id, search.prompt_token_ids + beam.token_ids, probe, tenant_id)
+                requests.append((search, request_id))
+        results = _run_to_completion(engine, {request_id for _, request_id in requests})
+    finally:
+        for _, request_id in requests:
+            engine.abort_request(request_id)  # no-op for finished requests
+    per_search: dict[_PromptSearch, list[dict[int, float]]] = {s: [] for s in live}
+    for search, request_id in requests:
+        (logprobs,) = results[request_id]
+        per_search[search].append(logprobs)
+    for search in live:
+        search.advance(per_search[search])
+
+
 def beam_search(
     engine: LLMEngine,
     prompts: Sequence[PromptInput],
@@ -228,23 +255,7 @@ def beam_search(
         )
     live = [s for s in searches if not s.done]
     while live:
-        requests: list[tuple[_PromptSearch, str]] = []
-        try:
-            for search in live:
-                for beam in search.beams:
-                    request_id = new_request_id()
-                    engine.add_request(request_id, search.prompt_token_ids + beam.token_ids, probe, tenant_id)
-                    requests.append((search, request_id))
-            results = _run_to_completion(engine, {request_id for _, request_id in requests})
-        finally:
-            for _, request_id in requests:
-                engine.abort_request(request_id)  # no-op for finished requests
-        per_search: dict[_PromptSearch, list[dict[int, float]]] = {s: [] for s in live}
-        for search, request_id in requests:
-            (logprobs,) = results[request_id]
-            per_search[search].append(logprobs)
-        for search in live:
-            search.advance(per_search[search])
+        _extend_beams(engine, live, probe, tenant_id, new_request_id)
         live = [s for s in live if not s.done]
     decode = engine.tokenizer.decode
     return [

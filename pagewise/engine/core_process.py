@@ -5,15 +5,14 @@ process that Python shares one GIL with the web stack, so a busy API slows every
 in its own process for the same reason. ``AsyncLLMEngine(config, process=True)`` uses this module; what it
 offers its callers does not change.
 
-The wire is two one-way ``multiprocessing`` pipes of pickled tuples (``spawn`` start method: no fork after
-torch's threads exist):
+The wire is two one-way ``multiprocessing`` pipes carrying the typed messages below, pickled (``spawn`` start
+method: no fork after torch's threads exist; the child runs the parent's own code, so both ends always agree on
+the messages' shapes):
 
-- parent → child: ``("add", engine_id, token_ids, params, tenant_id, tenant_weight, arrival_time, prompt_text)``,
-  ``("abort", engine_id)``, ``("stop",)``.
-- child → parent: first exactly one of ``("ready", CoreInfo)`` or ``("failed", Failure)``; after ``ready``,
-  ``("outputs", [RequestOutput, ...], stats)`` after every loop turn that changed anything (aborts' final outputs
-  and a step's outputs, then ``LLMEngine.stats()`` as of then), ``("rejected", engine_id, Failure)`` for an add
-  the engine refused, and at most one ``("dead", Failure)``, after which the child exits.
+- parent → child: ``AddRequest``, ``AbortRequest``, ``Stop`` (``step_loop``: the loop's inputs in either form).
+- child → parent: first exactly one of ``Ready`` or ``LoadFailed``; after ``Ready``, ``StepOutputs`` after every
+  loop turn (aborts' final outputs and a step's outputs, with ``LLMEngine.stats()`` as of then), ``AddRefused``
+  for an add the engine refused, and at most one ``CoreDead``, after which the child exits.
 
 Invariants. Messages are handled in the order they were sent, between steps, so an abort is never handled
 before its add. Outputs travel without their prompt (``prompt_token_ids`` empty, ``prompt`` None): the parent
@@ -31,13 +30,21 @@ import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from pagewise.engine.config import EngineConfig
-from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, RequestFailedError, StepFailedError
+from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, RequestFailedError
 from pagewise.engine.limits import PromptLimits
+from pagewise.engine.outputs import RequestOutput
+from pagewise.engine.step_loop import AbortRequest, AddRequest, Stop, add_request, run_steps
 from pagewise.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagewise.engine.llm_engine import LLMEngine
 
 _logger = logging.getLogger(__name__)
 # How long the child's OpenMP threads (torch's libgomp) spin after a parallel region before they sleep, unless
@@ -49,7 +56,6 @@ CHILD_ENVIRONMENT = {"GOMP_SPINCOUNT": "10000"}
 _START_METHOD = "spawn"
 _STOP_TIMEOUT_S = 30.0
 _REAP_TIMEOUT_S = 5.0
-MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +98,38 @@ class Failure:
         return RequestFailedError(self.message)
 
 
+# ---- child → parent
+
+
+class Ready(msgspec.Struct, frozen=True):
+    info: CoreInfo
+
+
+class LoadFailed(msgspec.Struct, frozen=True):
+    failure: Failure
+
+
+class StepOutputs(msgspec.Struct, frozen=True):
+    """One loop turn's outputs, without their prompts (``prompt_token_ids`` empty, ``prompt`` None: the parent
+    holds both), and the engine's stats as of then."""
+
+    outputs: list[RequestOutput]
+    stats: dict[str, Any]
+
+
+class AddRefused(msgspec.Struct, frozen=True):
+    engine_id: str
+    failure: Failure
+
+
+class CoreDead(msgspec.Struct, frozen=True):
+    failure: Failure
+
+
+ToChild = AddRequest | AbortRequest | Stop
+FromChild = Ready | LoadFailed | StepOutputs | AddRefused | CoreDead
+
+
 class EngineCoreProcess:
     """The parent's handle on the child: starts it and waits until the model is loaded (blocking; raises what
     the child failed with), then offers ``send`` (one thread at a time) and ``recv`` (one thread at a time)."""
@@ -117,10 +155,10 @@ class EngineCoreProcess:
             raise RuntimeError(
                 f"the engine process exited while loading (exit code {self._process.exitcode})"
             ) from None
-        if first[0] == "failed":
+        if isinstance(first, LoadFailed):
             self._process.join(_STOP_TIMEOUT_S)
-            raise first[1].exception()
-        self.info: CoreInfo = first[1]
+            raise first.failure.exception()
+        self.info: CoreInfo = first.info
 
     @property
     def exitcode(self) -> int | None:
@@ -133,17 +171,17 @@ class EngineCoreProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ToChild) -> None:
         self._outbox.send(message)
 
-    def recv(self) -> tuple:
+    def recv(self) -> FromChild:
         """The child's next message; ``EOFError`` once it exited and every message was read."""
         return self._inbox.recv()
 
     def close(self) -> None:
         """Ask the child to stop, wait for it (killing it if it does not stop in time) and close the pipes."""
         with contextlib.suppress(OSError):  # already gone (BrokenPipeError), or the pipe already closed
-            self._outbox.send(("stop",))
+            self._outbox.send(Stop())
         self._process.join(_STOP_TIMEOUT_S)
         if self._process.is_alive():
             _logger.warning("the engine process did not stop within %.0f s; killing it", _STOP_TIMEOUT_S)
@@ -170,75 +208,50 @@ def run_core(config: EngineConfig, progress: bool, inbox: Connection, outbox: Co
     try:
         engine = LLMEngine(config, progress=progress)
     except BaseException as error:  # noqa: BLE001 - the parent raises it
-        outbox.send(("failed", Failure.of(error)))
+        outbox.send(LoadFailed(Failure.of(error)))
         return
     info = CoreInfo(
         engine.model_name, engine.max_model_len, engine.num_blocks, engine.limits, engine.tokenizer, engine.stats()
     )
-    outbox.send(("ready", info))
+    outbox.send(Ready(info))
     try:
-        _step_until_stopped(engine, inbox, outbox)
+        failure = run_steps(engine, partial(_take, engine, inbox, outbox), partial(_publish, engine, outbox))
     except (EOFError, BrokenPipeError):  # the parent is gone: nobody to serve
         return
     except BaseException as error:  # noqa: BLE001 - the parent fails every stream with it
-        _logger.critical("the engine core stopped", exc_info=error)
-        outbox.send(("dead", Failure.of(error)))
+        failure = error
+    if failure is not None:
+        _logger.critical("the engine core stopped", exc_info=failure)
+        outbox.send(CoreDead(Failure.of(failure)))
 
 
-def _step_until_stopped(engine: Any, inbox: Connection, outbox: Connection) -> None:
-    """Handle messages between steps, step while there is work; raise the last failure after
-    ``MAX_FAILED_STEPS`` failed steps in a row."""
-    failed_steps = 0
-    while True:
-        outputs: list = []
-        idle = not engine.has_unfinished_requests()
-        if idle and not _handle(engine, inbox.recv(), outputs, outbox):  # idle: block until there is a message
-            return
-        while inbox.poll():
-            if not _handle(engine, inbox.recv(), outputs, outbox):
-                return
-        failure = None
-        if engine.has_unfinished_requests():
-            try:
-                outputs.extend(engine.step())
-            except StepFailedError as error:
-                failure = error
-                outputs.extend(error.outputs)
-            failed_steps = failed_steps + 1 if failure else 0
-        for output in outputs:
-            output.prompt_token_ids, output.prompt = [], None
-        outbox.send(("outputs", outputs, engine.stats()))
-        if failed_steps >= MAX_FAILED_STEPS:
-            raise failure
-
-
-def _handle(engine: Any, message: tuple, outputs: list, outbox: Connection) -> bool:
-    """Apply one parent message; False for ``stop``."""
-    kind = message[0]
-    if kind == "stop":
+def _take(engine: LLMEngine, inbox: Connection, outbox: Connection, idle: bool, outputs: list) -> bool:
+    """`run_steps`' messages: the parent's, blocking for the first one when the engine is idle."""
+    if idle and not _handle(engine, inbox.recv(), outputs, outbox):
         return False
-    if kind == "abort":
-        final = engine.abort_request(message[1])
+    while inbox.poll():
+        if not _handle(engine, inbox.recv(), outputs, outbox):
+            return False
+    return True
+
+
+def _publish(engine: LLMEngine, outbox: Connection, outputs: list[RequestOutput]) -> None:
+    for output in outputs:
+        output.prompt_token_ids, output.prompt = [], None
+    outbox.send(StepOutputs(outputs, engine.stats()))
+
+
+def _handle(engine: LLMEngine, message: ToChild, outputs: list, outbox: Connection) -> bool:
+    """Apply one parent message; False for ``Stop``."""
+    if isinstance(message, Stop):
+        return False
+    if isinstance(message, AbortRequest):
+        final = engine.abort_request(message.engine_id)
         if final is not None:
             outputs.append(final)
         return True
-    _, engine_id, token_ids, params, tenant_id, tenant_weight, arrival_time, prompt_text = message
-    try:
-        engine.add_request(
-            engine_id,
-            token_ids,
-            params,
-            tenant_id,
-            delta=True,
-            prompt_text=prompt_text,
-            tenant_weight=tenant_weight,
-            arrival_time=arrival_time,
-        )
-    except Exception as error:  # noqa: BLE001 - one request's failure is its own
-        if not isinstance(error, InvalidRequestError):
-            _logger.warning("request %r could not be added", engine_id, exc_info=error)
-            error = RequestFailedError(f"the request could not be added: {type(error).__name__}: {error}")
-        outbox.send(("rejected", engine_id, Failure.of(error)))
+    if (error := add_request(engine, message)) is not None:
+        outbox.send(AddRefused(message.engine_id, Failure.of(error)))
     return True
 
 

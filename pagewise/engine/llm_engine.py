@@ -36,6 +36,7 @@ from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
 from pagewise.engine.outputs import RequestMetrics, RequestOutput, RequestUsage
 from pagewise.engine.request import Request, RequestStatus
 from pagewise.engine.request_group import RequestGroup, SampleState
+from pagewise.engine.request_ids import sample_id
 from pagewise.engine.request_metrics import EngineMetrics
 from pagewise.engine.sampler import Sampler, SampleResult
 from pagewise.engine.sampling_params import SamplingParams
@@ -77,32 +78,9 @@ class LLMEngine:
         )
         self.model.use_gemm_path(self.gemm.path, precision.matmul)
         _logger.info("matmul path %s (%s): %s", self.gemm.path, self.gemm.source, self.gemm.gflops or "not timed")
-        if budget is None:
-            budget = self._measure_kv_budget(at_start)
-        per_block = KVCache.bytes_per_block(
-            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, precision.kv_cache
-        )
-        # More blocks than every sequence at full length could use would only cost memory and start-up time.
-        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        self.num_blocks = min(budget // per_block, useful)
-        if self.num_blocks < 1:
-            raise InvalidConfigError(
-                f"kv_cache_memory_bytes={budget:,} is too small: one block of {config.block_size} tokens in all "
-                f"{arch.num_layers} layers needs {per_block:,} bytes"
-            )
-        num_swap = config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0
-        kv_cache = KVCache(
-            arch.num_layers,
-            self.num_blocks,
-            num_swap,
-            config.block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            precision.kv_cache,
-            self.device,
-        )
+        kv_cache = self._allocate_kv_cache(budget, at_start)
         self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, num_swap)
+        self.kv = KVCacheManager(self.pool, config.block_size, kv_cache.num_swap_blocks)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -125,6 +103,36 @@ class LLMEngine:
         self.peak_blocks_in_use = 0
         self.kv_utilization_at_peak = 0.0
         self.metrics = EngineMetrics()
+
+    def _allocate_kv_cache(self, budget: int | None, at_start: DeviceMemory | None) -> KVCache:
+        """The KV cache: `budget` bytes (None: measured from the memory left after loading), at most what every
+        sequence at full length could use; sets `num_blocks`."""
+        config, arch, precision = self.config, self.arch, self.precision
+        if budget is None:
+            assert at_start is not None
+            budget = self._measure_kv_budget(at_start)
+        per_block = KVCache.bytes_per_block(
+            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, precision.kv_cache
+        )
+        # More blocks than every sequence at full length could use would only cost memory and start-up time.
+        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        self.num_blocks = min(budget // per_block, useful)
+        if self.num_blocks < 1:
+            raise InvalidConfigError(
+                f"kv_cache_memory_bytes={budget:,} is too small: one block of {config.block_size} tokens in all "
+                f"{arch.num_layers} layers needs {per_block:,} bytes"
+            )
+        num_swap = config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0
+        return KVCache(
+            arch.num_layers,
+            self.num_blocks,
+            num_swap,
+            config.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            precision.kv_cache,
+            self.device,
+        )
 
     def _measure_kv_budget(self, at_start: DeviceMemory) -> int:
         """CUDA: ``gpu_memory_utilization`` of the device's total memory, less the weights (already loaded) and
@@ -186,7 +194,7 @@ class LLMEngine:
         for index in range(params.n):
             sample_params = params.for_sample(index) if params.n > 1 else params
             request = Request(
-                f"{request_id}#{index}" if params.n > 1 else request_id,
+                sample_id(request_id, index) if params.n > 1 else request_id,
                 token_ids,
                 sample_params,
                 arrival,

@@ -28,6 +28,7 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.num_swap_blocks = num_swap_blocks
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from typing import TYPE_CHECKING
 
 import anyio
@@ -111,7 +111,7 @@ def announce_admin_key(key: str, database_url: str) -> None:
         f"      {key}\n\n"
         "  It is shown only this once (set PAGEWISE_ADMIN_KEY to choose it yourself). Create a tenant and a key:\n"
         "      pagewise tenants create acme && pagewise keys create --tenant acme\n"
-        "  or over HTTP: POST /admin/tenants {\"name\": \"acme\"}, then POST /admin/tenants/<id>/keys {}\n\n"
+        '  or over HTTP: POST /admin/tenants {"name": "acme"}, then POST /admin/tenants/<id>/keys {}\n\n'
     )
     try:
         with open("/dev/tty", "w") as tty:
@@ -125,6 +125,78 @@ def announce_admin_key(key: str, database_url: str) -> None:
     with os.fdopen(fd, "w") as file:
         file.write(key + "\n")
     logger.warning("first start: created an admin API key; no terminal to show it on, so it is in %s", path)
+
+
+ROUTE_HANDLERS = [
+    health,
+    ready,
+    metrics,
+    InferenceController,
+    RequestController,
+    UsageController,
+    TenantController,
+    KeyController,
+    AdminController,
+    list_workers,
+    PriceController,
+    ExportController,
+    *DASHBOARD_HANDLERS,
+]
+
+
+async def _before_serving(services: PlatformServices) -> None:
+    """An embedded server fails the requests its previous run left unfinished; any server makes sure an admin key
+    exists (announcing a generated one)."""
+    settings = services.settings
+    if settings.is_embedded:
+        interrupted = await services.requests.fail_unfinished()
+        if interrupted:
+            logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
+    async with services.sessionmaker() as session:
+        created = await KeyService(session).bootstrap_admin(settings.admin_key)
+    if created is not None and settings.admin_key is None:
+        announce_admin_key(created.key, settings.database_url)
+    elif created is not None:
+        logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
+
+
+def _lifespan(
+    settings: Settings,
+    engine: AsyncLLMEngine | None,
+    quotas: QuotaStore | None,
+    on_engine_dead: Callable[[], None] | None,
+) -> Callable[[Litestar], AbstractAsyncContextManager[None]]:
+    """What the app does around serving: migrate (if asked), build its services and transport, start them, and
+    take them down in reverse order."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if settings.auto_migrate:
+            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
+        database = Database(create_db_engine(settings.database_url))
+        with traced_database(database):
+            sessionmaker = database.sessionmaker
+            store = traced_quotas(quotas or build_quota_store(settings, DatabaseLedger(database)))
+            requests = RequestStore(database)
+            metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
+            transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
+            services = PlatformServices(settings, EngineClient(transport), store, database, requests, metrics)
+            app.state.services, app.state.sessionmaker = services, sessionmaker
+            await _before_serving(services)
+            await transport.start()
+            sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
+            try:
+                yield
+            finally:
+                sweeper.cancel()
+                with suppress(asyncio.CancelledError):
+                    await sweeper
+                await transport.close()
+                if quotas is None:
+                    await store.close()
+                await database.dispose()
+
+    return lifespan
 
 
 def create_app(
@@ -143,58 +215,10 @@ def create_app(
     settings = settings or Settings.from_env()
     traced = tracing.configure_from_env("pagewise-api")
 
-    @asynccontextmanager
-    async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        if settings.auto_migrate:
-            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
-        database = Database(create_db_engine(settings.database_url))
-        with traced_database(database):
-            sessionmaker = database.sessionmaker
-            store = traced_quotas(quotas or build_quota_store(settings, DatabaseLedger(database)))
-            requests = RequestStore(database)
-            metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
-            transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
-            services = PlatformServices(settings, EngineClient(transport), store, database, requests, metrics)
-            app.state.services, app.state.sessionmaker = services, sessionmaker
-            if settings.is_embedded:
-                interrupted = await services.requests.fail_unfinished("interrupted: the server stopped")
-                if interrupted:
-                    logger.warning("marked %d requests left unfinished by a previous run as failed", interrupted)
-            async with sessionmaker() as session:
-                created = await KeyService(session).bootstrap_admin(settings.admin_key)
-            if created is not None and settings.admin_key is None:
-                announce_admin_key(created.key, settings.database_url)
-            elif created is not None:
-                logger.info("first start: stored the admin key given in PAGEWISE_ADMIN_KEY")
-            await transport.start()
-            sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
-            try:
-                yield
-            finally:
-                sweeper.cancel()
-                with suppress(asyncio.CancelledError):
-                    await sweeper
-                await transport.close()
-                if quotas is None:
-                    await store.close()
-                await database.dispose()
+    lifespan = _lifespan(settings, engine, quotas, on_engine_dead)
 
     return Litestar(
-        route_handlers=[
-            health,
-            ready,
-            metrics,
-            InferenceController,
-            RequestController,
-            UsageController,
-            TenantController,
-            KeyController,
-            AdminController,
-            list_workers,
-            PriceController,
-            ExportController,
-            *DASHBOARD_HANDLERS,
-        ],
+        route_handlers=ROUTE_HANDLERS,
         dependencies={
             "services": Provide(provide_services, sync_to_thread=False),
             "db_session": Provide(provide_db_session),

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pagewise.exit_status import ExitStatus
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.paths import default_database_url, ensure_data_dir
 from pagewise.platform.redis_check import RedisUnreachableError
@@ -40,7 +41,7 @@ def register(
 ) -> None:
     """Add `serve`, `db`, `tenants` and `keys` to a `pagewise` subparsers object; each takes `--database-url`.
     `add_engine_arguments`: the engine's flags, which `serve` takes too (`pagewise.cli` owns them)."""
-    serve = _command(
+    serve = add_command(
         subparsers, "serve", serve_command, "run the API server (the engine in this process unless --workers-external)"
     )
     serve.add_argument("--host", default="127.0.0.1")
@@ -57,28 +58,34 @@ def register(
     serve.set_defaults(**dict.fromkeys(EngineSettings.__struct_fields__))
 
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
-    _command(db, "upgrade", db_upgrade_command, "apply Alembic migrations up to head")
+    add_command(db, "upgrade", db_upgrade_command, "apply Alembic migrations up to head")
+    _register_tenants(subparsers)
+    _register_keys(subparsers)
 
+
+def _register_tenants(subparsers: argparse._SubParsersAction) -> None:
     tenants = subparsers.add_parser("tenants", help="manage tenants").add_subparsers(
         dest="tenants_command", required=True
     )
-    create = _command(tenants, "create", _sync(_tenants_create), "create a tenant")
+    create = add_command(tenants, "create", in_session(_tenants_create), "create a tenant")
     create.add_argument("name")
     _add_quota_flags(create)
     _add_weight_flag(create)
-    _command(tenants, "list", _sync(_tenants_list), "list tenants")
-    update = _command(
-        tenants, "update", _sync(_tenants_update), "change a tenant's quotas, weight or status (-1 = no limit)"
+    add_command(tenants, "list", in_session(_tenants_list), "list tenants")
+    update = add_command(
+        tenants, "update", in_session(_tenants_update), "change a tenant's quotas, weight or status (-1 = no limit)"
     )
     update.add_argument("name")
     update.add_argument("--status", choices=["active", "suspended"])
     _add_quota_flags(update)
     _add_weight_flag(update)
 
+
+def _register_keys(subparsers: argparse._SubParsersAction) -> None:
     keys = subparsers.add_parser("keys", help="manage API keys").add_subparsers(
         dest="keys_command", required=True
     )
-    key_create = _command(keys, "create", _sync(_keys_create), "create a key and print it (shown once)")
+    key_create = add_command(keys, "create", in_session(_keys_create), "create a key and print it (shown once)")
     key_create.add_argument("--tenant", required=True, help="tenant name")
     key_create.add_argument("--scope", action="append", choices=["inference", "admin"], dest="scopes")
     key_create.add_argument("--name", default="")
@@ -87,14 +94,14 @@ def register(
         help="when the key stops working: an ISO-8601 date or datetime (UTC unless it has an offset),"
         " or a duration from now such as 30d, 12h or 90m",
     )
-    key_list = _command(
-        keys, "list", _sync(_keys_list), "list keys (never their secrets) with their status and expiry"
+    key_list = add_command(
+        keys, "list", in_session(_keys_list), "list keys (never their secrets) with their status and expiry"
     )
     key_list.add_argument("--tenant", help="tenant name")
-    revoke = _command(keys, "revoke", _sync(_keys_revoke), "revoke a key by id")
+    revoke = add_command(keys, "revoke", in_session(_keys_revoke), "revoke a key by id")
     revoke.add_argument("key_id")
-    rotate = _command(
-        keys, "rotate", _sync(_keys_rotate), "replace a key by a new one (printed once) with its name and scopes"
+    rotate = add_command(
+        keys, "rotate", in_session(_keys_rotate), "replace a key by a new one (printed once) with its name and scopes"
     )
     rotate.add_argument("key_id")
     rotate.add_argument(
@@ -104,7 +111,7 @@ def register(
     )
 
 
-def _command(
+def add_command(
     group: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int], help_text: str
 ) -> argparse.ArgumentParser:
     """A subcommand that runs `func` and, like every command here, takes `--database-url`."""
@@ -138,8 +145,6 @@ class StartupError(Exception):
 
 
 _STARTUP_ERRORS = (StartupError, SettingsError, RedisUnreachableError)
-STARTUP_ERROR_EXIT_STATUS = 2
-ENGINE_DIED_EXIT_STATUS = 3
 
 
 def _exits_2_on_startup_error(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -151,7 +156,7 @@ def _exits_2_on_startup_error(command: Callable[[argparse.Namespace], int]) -> C
             return command(args)
         except _STARTUP_ERRORS as error:
             print(f"error: {error}", file=sys.stderr)
-            return STARTUP_ERROR_EXIT_STATUS
+            return ExitStatus.STARTUP_ERROR
 
     return run
 
@@ -227,8 +232,8 @@ def serve_command(args: argparse.Namespace) -> int:
     services = getattr(app.state, "services", None)
     if services is not None and services.engine.error is not None:
         print(f"error: the engine stopped after an error: {services.engine.error!r}", file=sys.stderr)
-        return ENGINE_DIED_EXIT_STATUS
-    return 0
+        return ExitStatus.ENGINE_DIED
+    return ExitStatus.OK
 
 
 @_exits_2_on_startup_error
@@ -240,10 +245,10 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
     _open_database(settings.database_url)
     upgrade_head(settings.database_url)
     print(f"database {redacted_url(settings.database_url)} is at the latest revision")
-    return 0
+    return ExitStatus.OK
 
 
-def _sync(
+def in_session(
     command: Callable[[Any, argparse.Namespace], Awaitable[None]],
 ) -> Callable[[argparse.Namespace], int]:
     """Run an admin command in a session on the configured (migrated) database; API errors exit 1."""
@@ -269,8 +274,8 @@ def _sync(
             asyncio.run(main())
         except APIError as error:
             print(f"error: {error.message}", file=sys.stderr)
-            return 1
-        return 0
+            return ExitStatus.FAILED
+        return ExitStatus.OK
 
     return run
 

@@ -5,12 +5,9 @@ Invariants:
   — emitted only after the request's final row is written, so a client that saw the end reads a final row. Every
   delta is emitted before that write: a worker killed between the write and the end leaves a redelivery only the
   row's `Finished` to re-send, and the client already has every token.
-- The final write is guarded (`RequestLedger.finish` only moves an unfinished row); the quota reservation is
-  reconciled to the billed tokens and cost by the execution whose write won — and again, as a no-op unless its
-  writer died in between, by any execution that finds the row already final (`reconcile` acts once per
-  reservation; that late one settles the row's tokens, and their cost's upper bound). A
-  redelivered Submit whose row is already final is not run again: its `Finished` is re-sent from the row, and
-  nothing is billed twice.
+- It ends through `Settlement.settle` (`settlement.py`): the guarded final write, the reconcile by the write that
+  won, then the terminal event. A redelivered Submit whose row is already final is not run again: its `Finished`
+  is re-sent from the row (`Settlement.replay`), and nothing is billed twice.
 - Billed tokens are what the engine really computed: each prompt's usage report (`RequestUsage`), resolved when
   the prompt leaves the engine for any reason — an abort included, so tokens generated before the engine saw the
   abort are billed too.
@@ -29,30 +26,30 @@ import concurrent.futures
 import datetime as dt
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagewise.serving.ledgers import FinishedRequest, QuotaLedger, RequestLedger, Settled, finished_event
+from pagewise.engine.request_ids import prompt_id
+from pagewise.serving.ledgers import FinishedRequest
 from pagewise.serving.protocol import (
     ChoiceDelta,
+    ChoiceSoFar,
     Delta,
     ErrorCode,
     ErrorInfo,
     Event,
-    Finished,
     PositionLogprobs,
-    Rejected,
     RequestStatus,
-    Reservation,
     Submit,
     TokenLogprob,
     Usage,
 )
 from pagewise.serving.request_trace import RequestTrace
+from pagewise.serving.settlement import Settlement, Superseded
 
 if TYPE_CHECKING:
     from pagewise.engine.async_engine import AsyncLLMEngine
@@ -60,24 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 ABORTED = "abort"  # the engine's finish_reason for a request aborted on its side
 USAGE_REPORT_TIMEOUT_S = 30.0  # how long the final write waits for the engine's usage reports
-FINAL_WRITE_PATIENCE_S = 60.0  # how long the final write is retried while the database is out of reach
-Emit = Callable[[Event], Awaitable[None]]
-# A transport's settlement in one step: reconcile the reservation to (tokens, cost), then emit the terminal event,
-# so that no reader sees it before the reconcile (a client's next request must find its slot free).
-Settle = Callable[[Reservation, int, "int | None", Event], Awaitable[None]]
-# Whether this execution still holds its Submit: False once another worker has taken it over.
-Hold = Callable[[], Awaitable[bool]]
-
-
-class Superseded(Exception):
-    """The Submit was taken over by another worker's attempt: this one stopped and said nothing."""
-
-
-@dataclass(slots=True)
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -90,27 +69,16 @@ class _Prompt:
 
 
 class Execution:
-    """Runs `submit` on `engine` (attempt number `attempt`), emitting its events through `emit`."""
+    """Runs `submit` on `engine` (attempt number `attempt`); its events go out, and it ends, through `settlement`
+    (whose `emit` is required here)."""
 
-    def __init__(
-        self,
-        submit: Submit,
-        engine: AsyncLLMEngine,
-        requests: RequestLedger,
-        quotas: QuotaLedger,
-        emit: Emit,
-        *,
-        attempt: int = 1,
-        settle: Settle | None = None,
-        hold: Hold | None = None,
-    ) -> None:
+    def __init__(self, submit: Submit, engine: AsyncLLMEngine, settlement: Settlement, *, attempt: int = 1) -> None:
+        assert settlement.emit is not None, "an execution's events have readers"
         self.submit = submit
         self.attempt = attempt
-        self._engine, self._requests, self._quotas, self._emit = engine, requests, quotas, emit
-        self._settle_and_emit = settle  # None: `quotas.reconcile`, then `emit`
-        self._hold = hold  # None: the Submit is this execution's for good (one engine, loopback)
+        self._engine, self._settlement, self._emit = engine, settlement, settlement.emit
         n = submit.params.n
-        self._choices = [_Choice() for _ in range(len(submit.prompts) * n)]
+        self._choices = [ChoiceSoFar(i, logprobs=None) for i in range(len(submit.prompts) * n)]
         self._prompts = [_Prompt() for _ in submit.prompts]
         self._aborted = False
         self.won = False  # whether this execution's final write was the one that finished the row
@@ -125,7 +93,7 @@ class Execution:
         return self.submit.request_id
 
     def engine_ids(self) -> list[str]:
-        return [f"{self.request_id}-{i}" for i in range(len(self.submit.prompts))]
+        return [prompt_id(self.request_id, i) for i in range(len(self.submit.prompts))]
 
     def abort(self) -> None:
         """End the request as `cancelled`, now or at its next step; idempotent."""
@@ -138,9 +106,11 @@ class Execution:
 
     async def _check_held(self) -> None:
         """Raise `Superseded` (the engine's work freed) when another worker has taken the Submit over."""
-        if self._hold is not None and not await self._hold():
+        try:
+            await self._settlement.check_held(self.submit)
+        except Superseded:
             self._stop_engine()
-            raise Superseded(f"request {self.request_id}: attempt {self.attempt} was taken over")
+            raise
 
     async def run(self) -> Event:
         """Run to the end (or the abort); returns the terminal event, already emitted."""
@@ -151,10 +121,9 @@ class Execution:
 
     async def _run(self) -> Event:
         if self.attempt > 1:  # a redelivery: some attempt may have finished the request already
-            final = await self._requests.final_state(self.request_id)
+            final = await self._settlement.requests.final_state(self.request_id)
             if final is not None:
-                await self._settle_quota_of(final)
-                return await self._send(finished_event(final, self.attempt))
+                return await self._settlement.replay(self.submit, final, attempt=self.attempt)
         try:
             self._check()
         except InvalidRequestError as exc:
@@ -218,13 +187,10 @@ class Execution:
         for c in output.outputs:
             if not (c.token_ids or c.text or c.finish_reason):
                 continue
-            index = prompt_index * n + c.index
-            state = self._choices[index]
-            state.text.append(c.text)
-            state.num_tokens += len(c.token_ids)
-            state.finish_reason = c.finish_reason or state.finish_reason
+            choice = _choice(prompt_index * n + c.index, c, self.submit.params.logprobs)
+            self._choices[choice.index].add(choice)
             self._num_generated += len(c.token_ids)
-            choices.append(_choice(index, c, self.submit.params.logprobs))
+            choices.append(choice)
         self._trace.engine_output(prompt_index, output, self._num_generated)
         if not choices:
             return
@@ -234,7 +200,7 @@ class Execution:
             engine_ttft_s = self._first_token_at - self._started_at
             if not output.finished:  # a request done at its first token goes straight to its final write
                 started, first = _utc(self._started_at), _utc(self._first_token_at)
-                self._spawn(self._requests.mark_running(self.request_id, started, first))
+                self._spawn(self._settlement.requests.mark_running(self.request_id, started, first))
         reached = [p for p in self._prompts if p.reached_engine]
         await self._check_held()
         await self._emit(
@@ -249,42 +215,17 @@ class Execution:
 
     async def _reject(self, error: ErrorInfo) -> Event:
         """Refused before running: the row fails with the reason, the reservation comes back whole."""
-        won = await self._finish(self._result(RequestStatus.FAILED, error, Usage())) is not None
-        self.won = won
-        return await self._send(Rejected(error=error), reconcile=(0, None) if won else None)
+        return await self._end(self._result(RequestStatus.FAILED, error, Usage()), refused=True)
 
     async def _settle(self, status: RequestStatus, error: ErrorInfo | None) -> Event:
-        usage = await self._usage()
-        result = self._result(status, error, usage)
-        settled = await self._finish(result)
-        reconcile = None
-        if settled is not None:
-            self.won = True
-            reconcile = (usage.total, settled.cost_micros)
-            event = Finished(
-                attempt=self.attempt,
-                status=status,
-                usage=usage,
-                error=error,
-                started_at=self._started_at,
-                first_token_at=self._first_token_at,
-                finished_at=result.finished_at.timestamp(),
-            )
-        else:  # finished elsewhere meanwhile (a sweep, another attempt): the row's word is final
-            final = await self._requests.final_state(self.request_id)
-            if final is not None:
-                await self._settle_quota_of(final)
-            event = finished_event(final, self.attempt) if final is not None else Finished(
-                attempt=self.attempt, status=status, usage=usage, error=error, finished_at=time.time()
-            )
-        await asyncio.gather(*self._background, return_exceptions=True)
-        return await self._send(event, reconcile=reconcile)
+        return await self._end(self._result(status, error, await self._usage()))
 
-    async def _settle_quota_of(self, final: FinishedRequest) -> None:
-        """Reconcile the reservation to what the final row billed. The writer of the row reconciles right after
-        writing it, but a worker killed between the two would leave the slot held until its lease ran out;
-        `reconcile` acts once per reservation, so doing it again here is a no-op unless that happened."""
-        await self._quotas.reconcile(self.submit.reservation, final.prompt_tokens + final.completion_tokens)
+    async def _end(self, result: FinishedRequest, *, refused: bool = False) -> Event:
+        # the first-token write lands before the final one (a guarded write on `queued`: never after it anyway)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        settled = await self._settlement.settle(self.submit, result, attempt=self.attempt, refused=refused)
+        self.won = settled.won
+        return settled.event
 
     async def _usage(self) -> Usage:
         """The engine's own count, summed over the prompts that reached it; the streamed counts if it hung."""
@@ -312,57 +253,21 @@ class Execution:
             cached_tokens=sum(u.cached_tokens for u in usages),
         )
 
-    async def _finish(self, result: FinishedRequest) -> Settled | None:
-        """The guarded final write; what it billed if it was this execution's write that finished the row. While
-        the database is out of reach (a restart) it is retried with backoff for up to `FINAL_WRITE_PATIENCE_S`:
-        the tokens are computed, and the row is where they are billed."""
-        await self._check_held()
-        with self._trace.persisting(result.status) as span:
-            deadline, delay = time.monotonic() + FINAL_WRITE_PATIENCE_S, 0.1
-            while True:
-                try:
-                    settled = await self._requests.finish(
-                        self.request_id, self.submit.tenant_id, self.submit.model, result
-                    )
-                    break
-                except Exception as error:
-                    if not self._requests.is_unreachable(error) or time.monotonic() + delay > deadline:
-                        raise
-                    logger.warning("request %s: final write failed (%s); retrying in %.1f s", self.request_id,
-                                   error, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 5.0)
-            span.set_attribute("pagewise.persist.won", settled is not None)
-            return settled
-
     def _result(self, status: RequestStatus, error: ErrorInfo | None, usage: Usage) -> FinishedRequest:
         return FinishedRequest(
             status=status,
             output=[
-                {"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason}
-                for i, c in enumerate(self._choices)
+                {"index": c.index, "text": c.full_text, "finish_reason": c.finish_reason} for c in self._choices
             ],
             finish_reason=self._choices[0].finish_reason,
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
-            error=None if error is None else f"{error.code}: {error.message}",
+            error=error,
             started_at=_utc(self._started_at),
             first_token_at=None if self._first_token_at is None else _utc(self._first_token_at),
             finished_at=dt.datetime.now(dt.UTC),
         )
-
-    async def _send(self, event: Event, reconcile: tuple[int, int | None] | None = None) -> Event:
-        """Emit `event`; with `reconcile` (tokens, cost), the reservation is reconciled to it first — in the same
-        step as the emit where the transport offers one."""
-        if reconcile is None:
-            await self._emit(event)
-        elif self._settle_and_emit is not None:
-            await self._settle_and_emit(self.submit.reservation, *reconcile, event)
-        else:
-            await self._quotas.reconcile(self.submit.reservation, *reconcile)
-            await self._emit(event)
-        return event
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         """Run a best-effort side write (the first-token time); its failure is a warning, never the request's."""

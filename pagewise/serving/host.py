@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagewise.serving.execution import Emit, Execution, Hold, Settle
+from pagewise.serving.execution import Execution
 from pagewise.serving.ledgers import QuotaLedger, RequestLedger, SettlementObserver
 from pagewise.serving.protocol import EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
+from pagewise.serving.settlement import Emit, Hold, ReconcileAndEmit, Settlement
 from pagewise.serving.tokenizer_spec import tokenizer_spec
 
 if TYPE_CHECKING:
@@ -64,19 +65,23 @@ class EngineHost:
             self._heartbeat = asyncio.get_running_loop().create_task(self._keep_leases())
 
     def run(
-        self, submit: Submit, emit: Emit, *, attempt: int = 1, settle: Settle | None = None, hold: Hold | None = None
+        self,
+        submit: Submit,
+        emit: Emit,
+        *,
+        attempt: int = 1,
+        reconcile_and_emit: ReconcileAndEmit | None = None,
+        hold: Hold | None = None,
     ) -> asyncio.Task[Event]:
         """Start executing `submit`; the task's result is the terminal event (already emitted), or `Superseded`.
         A request id that is already live gets that execution's task back (a duplicate delivery never runs twice
-        at once). `settle`: the transport's reconcile-then-emit in one step (without: `quotas.reconcile`, then
-        `emit`); `hold`: whether the transport still gives this host the Submit (without: always)."""
+        at once). `reconcile_and_emit`: the transport's reconcile-then-emit in one step (without: `quotas.reconcile`,
+        then `emit`); `hold`: whether the transport still gives this host the Submit (without: always)."""
         request_id = submit.request_id
         running = self._tasks.get(request_id)
         if running is not None:
             return running
-        execution = Execution(
-            submit, self.engine, self.requests, self.quotas, emit, attempt=attempt, settle=settle, hold=hold
-        )
+        execution = Execution(submit, self.engine, self.settlement(emit, reconcile_and_emit, hold), attempt=attempt)
         if self._early_aborts.pop(request_id, None) is not None:
             execution.abort()
         self.live[request_id] = execution
@@ -84,6 +89,12 @@ class EngineHost:
         self._tasks[request_id] = task
         task.add_done_callback(lambda t: self._done(execution, t))
         return task
+
+    def settlement(
+        self, emit: Emit | None, reconcile_and_emit: ReconcileAndEmit | None = None, hold: Hold | None = None
+    ) -> Settlement:
+        """How a request ends on this host's ledgers, told through a transport's hooks."""
+        return Settlement(self.requests, self.quotas, emit, reconcile_and_emit, hold)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a live request (True), or remember the abort for a Submit that has not arrived yet (False)."""

@@ -4,7 +4,7 @@ where its quota reservation is settled (`QuotaLedger`). The platform implements 
 `Execution`, the Redis worker — knows only these.
 
 Invariants every implementation keeps (their tests: `tests/integration/requests/`, `tests/integration/quotas/`):
-- `RequestLedger.finish` is the final write, guarded on an unfinished row: it returns what it billed (`Settled`)
+- `RequestLedger.finish` is the final write, guarded on an unfinished row: it returns what it billed (`Billed`)
   when this call finished the row, `None` when the row was already terminal — then nothing changes. A request is
   billed once, whoever finishes it.
 - `QuotaLedger.reconcile` acts once per reservation: True the first time, False after (or once its lease ran out).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from pagewise.serving.protocol import ErrorCode, ErrorInfo, Finished, RequestStatus, Reservation, Submit, Usage
+from pagewise.serving.protocol import ErrorInfo, Finished, RequestStatus, Reservation, Submit, Usage
 
 if TYPE_CHECKING:
     from redis.asyncio.client import Pipeline
@@ -27,22 +27,28 @@ if TYPE_CHECKING:
 class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a request's final write records."""
 
-    status: str
+    status: RequestStatus
     output: list[dict[str, Any]]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    error: str | None
+    error: ErrorInfo | None  # set on a failed request only: our code and a public message (the cause is logged)
     started_at: dt.datetime | None
     first_token_at: dt.datetime | None
     finished_at: dt.datetime
 
+    @property
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens
+        )
+
     @classmethod
-    def failed(cls, error: str) -> FinishedRequest:
+    def failed(cls, error: ErrorInfo) -> FinishedRequest:
         """A request that never ran: failed now with `error`, nothing produced, nothing billed."""
         return cls(
-            status=RequestStatus.FAILED.value,
+            status=RequestStatus.FAILED,
             output=[],
             finish_reason=None,
             prompt_tokens=0,
@@ -55,31 +61,19 @@ class FinishedRequest(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-class Settled(msgspec.Struct, frozen=True):
+class Billed(msgspec.Struct, frozen=True):
     """What the final write that finished a row billed: the row's `cost_micros`."""
 
     cost_micros: int
 
 
 def finished_event(final: FinishedRequest, attempt: int) -> Finished:
-    """The `Finished` message a final row stands for. Errors are stored as `<ErrorCode>: <message>`; a row failed
-    by a sweep (no code) reads as `worker_lost`."""
-    error = None
-    if final.error is not None:
-        code, _, message = final.error.partition(": ")
-        if code in ErrorCode._value2member_map_:
-            error = ErrorInfo(ErrorCode(code), message)
-        else:
-            error = ErrorInfo(ErrorCode.WORKER_LOST, final.error)
+    """The `Finished` message a final row stands for."""
     return Finished(
         attempt=attempt,
         status=final.status,
-        usage=Usage(
-            prompt_tokens=final.prompt_tokens,
-            completion_tokens=final.completion_tokens,
-            cached_tokens=final.cached_tokens,
-        ),
-        error=error if final.status == RequestStatus.FAILED.value else None,
+        usage=final.usage,
+        error=final.error if final.status == RequestStatus.FAILED else None,
         started_at=None if final.started_at is None else final.started_at.timestamp(),
         first_token_at=None if final.first_token_at is None else final.first_token_at.timestamp(),
         finished_at=final.finished_at.timestamp(),
@@ -93,7 +87,7 @@ class RequestLedger(Protocol):
         """The row's first token: `queued` → `running` (a row no longer queued is left as it is)."""
         ...
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Settled | None:
+    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Billed | None:
         """The guarded final write, its cost and the day's usage together (see the module's invariants)."""
         ...
 

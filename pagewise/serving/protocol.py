@@ -15,6 +15,7 @@ exceptions. Every Redis key both sides use is named by `RedisKeys`, nowhere else
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeAlias
 
@@ -105,6 +106,29 @@ class ChoiceDelta(msgspec.Struct, frozen=True):
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class ChoiceSoFar:
+    """The sum of one sample's `ChoiceDelta`s: what the engine side writes to the row and the API answers with.
+    `logprobs` None: not kept (the engine side's row has no place for them)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = field(default_factory=list)
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text.append(delta.text)
+        self.num_tokens += len(delta.token_ids)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if self.logprobs is not None and delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

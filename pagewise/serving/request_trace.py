@@ -90,12 +90,6 @@ class RequestTrace:
                 ends = [t for t in self._finished if t is not None]
                 self._decode.end(self._ns(max(ends)) if len(ends) == len(self._finished) else None)
 
-    @contextmanager
-    def persisting(self, status: str) -> Iterator[Span]:
-        """The `pagewise.persist` span around the final row's write."""
-        with tracing.tracer().start_as_current_span("pagewise.persist", attributes={"pagewise.status": status}) as span:
-            yield span
-
     def ended(self, event: Event, finish_reasons: list[str]) -> None:
         """Record the terminal event on the execution span."""
         span = self._span

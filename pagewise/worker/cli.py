@@ -17,11 +17,10 @@ from dataclasses import fields
 from typing import Any
 
 from pagewise import event_loop
+from pagewise.exit_status import ExitStatus
 from pagewise.platform.cli import add_database_url_argument
 from pagewise.structured_logs import configure_logging
 
-ENGINE_DIED_EXIT_STATUS = 3
-STARTUP_ERROR_EXIT_STATUS = 2
 logger = logging.getLogger("pagewise.worker")
 
 
@@ -59,7 +58,7 @@ def worker_command(args: argparse.Namespace) -> int:
         asyncio.run(check_redis(settings.redis_url))
     except (SettingsError, MetricsExposureError, DatabaseUnreachableError, RedisUnreachableError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return STARTUP_ERROR_EXIT_STATUS
+        return ExitStatus.STARTUP_ERROR
     return event_loop.run(_serve(settings, args))
 
 
@@ -118,4 +117,4 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
         await client.aclose()
         await quotas.close()
         await db.dispose()
-    return ENGINE_DIED_EXIT_STATUS if died else 0
+    return ExitStatus.ENGINE_DIED if died else ExitStatus.OK

@@ -43,7 +43,6 @@ import redis.asyncio as redis
 from redis.asyncio.client import Pipeline, PubSub
 
 from pagewise import tracing
-from pagewise.serving.execution import Emit, Settle, Superseded
 from pagewise.serving.faults import is_redis_fault
 from pagewise.serving.host import EngineHost
 from pagewise.serving.ledgers import FinishedRequest, PipelinedQuotaLedger
@@ -51,14 +50,12 @@ from pagewise.serving.protocol import (
     ErrorCode,
     ErrorInfo,
     Event,
-    Finished,
     RedisKeys,
-    RequestStatus,
     Reservation,
-    Usage,
     decode_submit,
     encode,
 )
+from pagewise.serving.settlement import Emit, ReconcileAndEmit, Superseded
 
 logger = logging.getLogger(__name__)
 READ_COUNT = 64
@@ -268,7 +265,9 @@ class RedisWorker:
                 self.host.abort(request_id)  # remembered, and applied when `run` creates the execution
             emit, settle = self._emitter(request_id), self._settler(request_id)
             self._held[request_id] = (stream, entry_id)
-            task = self.host.run(submit, emit, attempt=attempt, settle=settle, hold=self._holder(request_id))
+            task = self.host.run(
+                submit, emit, attempt=attempt, reconcile_and_emit=settle, hold=self._holder(request_id)
+            )
         finally:
             self._taking.discard(request_id)
 
@@ -309,7 +308,7 @@ class RedisWorker:
 
         return emit
 
-    def _settler(self, request_id: str) -> Settle | None:
+    def _settler(self, request_id: str) -> ReconcileAndEmit | None:
         """The reconcile and the terminal event in one MULTI/EXEC when the quotas live in this Redis: the reconcile
         runs first, and no reader can see the event before it (nor does the event go out if it cannot run)."""
         store = self._redis_quotas
@@ -501,16 +500,8 @@ class RedisWorker:
         reason = f"delivered {deliveries} times; each worker running it stopped before it finished"
         error = ErrorInfo(ErrorCode.WORKER_LOST, reason)
         await self._redis.xadd(self._keys.dead_letters(self.model), {"m": fields[b"m"], "reason": reason})
-        failed = FinishedRequest.failed(f"{error.code}: {error.message}")
-        requests, quotas = self.host.requests, self.host.quotas
-        if await requests.finish(submit.request_id, submit.tenant_id, submit.model, failed):
-            await quotas.reconcile(submit.reservation, 0)
-        elif (final := await requests.final_state(submit.request_id)) is not None:  # its writer died before this
-            await quotas.reconcile(submit.reservation, final.prompt_tokens + final.completion_tokens)
-        finished = Finished(
-            attempt=deliveries, status=RequestStatus.FAILED, usage=Usage(), error=error, finished_at=time.time()
-        )
-        await self._emitter(submit.request_id)(finished)
+        settlement = self.host.settlement(self._emitter(submit.request_id), self._settler(submit.request_id))
+        await settlement.settle(submit, FinishedRequest.failed(error), attempt=deliveries)
         await self._ack(stream, entry_id)
         logger.error("dead-lettered request %s: %s", submit.request_id, reason)
 

@@ -10,7 +10,7 @@ import argparse
 import datetime as dt
 from typing import Any
 
-from pagewise.platform.cli import _command, _sync
+from pagewise.platform.cli import add_command, in_session
 from pagewise.platform.errors import invalid_request
 
 
@@ -18,9 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prices = subparsers.add_parser("prices", help="model prices (billing)").add_subparsers(
         dest="prices_command", required=True
     )
-    listing = _command(prices, "list", _sync(_prices_list), "list price versions, by model, newest first")
+    listing = add_command(prices, "list", in_session(_prices_list), "list price versions, by model, newest first")
     listing.add_argument("--model")
-    set_price = _command(prices, "set", _sync(_prices_set), "add a price version for a model")
+    set_price = add_command(prices, "set", in_session(_prices_set), "add a price version for a model")
     set_price.add_argument("model")
     set_price.add_argument("--input", required=True, help="dollars per million prompt tokens, e.g. 0.15")
     set_price.add_argument("--output", required=True, help="dollars per million completion tokens")

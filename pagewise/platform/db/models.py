@@ -122,7 +122,8 @@ class RequestRecord(Base):
     prompt_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
-    error: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(String(32))  # an ErrorCode, on a failed row only
+    error: Mapped[str | None] = mapped_column(Text)  # with `error_code`: its public message
     queued_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     started_at: Mapped[dt.datetime | None]
     first_token_at: Mapped[dt.datetime | None]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
 from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.errors import APIError
 from pagewise.platform.inference.job import InferenceJob
-from pagewise.platform.inference.prompts import prepare_chat, prepare_completion
+from pagewise.platform.inference.prompts import PreparedRequest, prepare_chat, prepare_completion
 from pagewise.platform.inference.rendering import (
     SettlingStream,
     chat_completion,
@@ -26,6 +29,7 @@ from pagewise.platform.inference.schemas import (
 )
 from pagewise.platform.keys.auth import Principal, requires_scope
 from pagewise.platform.services import PlatformServices, Services
+from pagewise.serving.protocol import ChoiceSoFar
 
 
 class InferenceController(Controller):
@@ -42,13 +46,8 @@ class InferenceController(Controller):
     ) -> Response[ChatCompletion]:
         """OpenAI Chat Completions; `stream: true` answers with server-sent events ending in `[DONE]`."""
         body = parse_body(data, ChatCompletionRequest)
-        await InferenceJob.precheck(services, request.user)
-        job = await InferenceJob.admit(
-            services, request.user, await prepare_chat(body, request.user, services.engine)
-        )
-        if job.prepared.stream:
-            return SettlingStream(job, chat_events)
-        return Response(chat_completion(job, await job.collect()), headers=job.headers)
+        return await _answer(services, request.user, lambda: prepare_chat(body, request.user, services.engine),
+                             chat_events, chat_completion)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -59,13 +58,8 @@ class InferenceController(Controller):
     ) -> Response[Completion]:
         """OpenAI (legacy) Completions; `prompt` may be a string, strings, token ids or lists of token ids."""
         body = parse_body(data, CompletionRequest)
-        await InferenceJob.precheck(services, request.user)
-        job = await InferenceJob.admit(
-            services, request.user, await prepare_completion(body, request.user, services.engine)
-        )
-        if job.prepared.stream:
-            return SettlingStream(job, completion_events)
-        return Response(completion(job, await job.collect()), headers=job.headers)
+        return await _answer(services, request.user, lambda: prepare_completion(body, request.user, services.engine),
+                             completion_events, completion)
 
     @get("/models")
     async def list_models(self, request: Request[Principal, str, object], services: Services) -> ModelList:
@@ -90,3 +84,19 @@ def _usable(principal: Principal, model: str) -> bool:
 
 def _model(services: PlatformServices) -> Model:
     return Model(services.engine.model_name, services.started_at, "pagewise", services.engine.max_model_len)
+
+
+async def _answer(
+    services: PlatformServices,
+    principal: Principal,
+    prepare: Callable[[], Awaitable[PreparedRequest]],
+    events: Callable[[InferenceJob], AsyncIterator[bytes]],
+    body: Callable[[InferenceJob, list[ChoiceSoFar]], Any],
+) -> Response[Any] | SettlingStream:
+    """Run one inference request: the cheap quota refusal first, then preparation (tokenizing, checks), admission,
+    and the answer — `events` streamed as server-sent events, or `body` once the request ended."""
+    await InferenceJob.precheck(services, principal)
+    job = await InferenceJob.admit(services, principal, await prepare())
+    if job.prepared.stream:
+        return SettlingStream(job, events)
+    return Response(body(job, await job.collect()), headers=job.headers)

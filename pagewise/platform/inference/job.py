@@ -23,10 +23,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -40,42 +40,30 @@ from pagewise.platform.inference.prompts import PreparedRequest
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import cheap_refusal, never_fits
 from pagewise.platform.quotas.headers import quota_exceeded, rate_limit_headers
+from pagewise.platform.quotas.quota_store import Decision
 from pagewise.platform.services import PlatformServices
 from pagewise.serving.ledgers import FinishedRequest, finished_event
 from pagewise.serving.protocol import (
     ChoiceDelta,
+    ChoiceSoFar,
     Delta,
     ErrorCode,
     ErrorInfo,
     Event,
     Finished,
-    PositionLogprobs,
     Rejected,
     RequestStatus,
     Reservation,
     Submit,
     Usage,
 )
+from pagewise.serving.settlement import Settlement
 
 logger = logging.getLogger(__name__)
 _ID_PREFIX = {"chat.completions": "chatcmpl", "completions": "cmpl"}
 STALL_S = 30.0  # with no event for this long, the reader looks at the row
 ENDED_WAIT_S = 30.0  # how long `end` waits for the engine to write the final row
-
-
-@dataclass(slots=True)
-class ChoiceState:
-    """Everything one sample produced so far."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-
-    @property
-    def full_text(self) -> str:
-        return "".join(self.text)
+NOT_HANDED_OVER = "the request could not be handed to an engine"  # a row's error when no engine got it
 
 
 def new_request_id(endpoint: str) -> str:
@@ -115,7 +103,7 @@ class InferenceJob:
         self.reservation = reservation
         self.headers = headers
         self.created = int(time.time())
-        self.choices = {i: ChoiceState(i) for i in range(prepared.num_sequences)}
+        self.choices = {i: ChoiceSoFar(i) for i in range(prepared.num_sequences)}
         self.final: Finished | None = None
         self._ended = False  # a terminal event was seen (or the row was found final)
         self._attempt = 1
@@ -141,13 +129,10 @@ class InferenceJob:
             raise quota_exceeded(decision, 0)
 
     @classmethod
-    async def admit(
-        cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest
-    ) -> InferenceJob:
+    async def admit(cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest) -> InferenceJob:
         """Check capacity and the key's models, reserve quota (tenant and key, tokens and spend), persist the
         `queued` row, hand the request to an engine."""
-        transport = services.engine.transport
-        transport.check_capacity(principal.tenant_id)
+        services.engine.transport.check_capacity(principal.tenant_id)
         if principal.allowed_models is not None and prepared.model not in principal.allowed_models:
             raise APIError(
                 403,
@@ -156,44 +141,9 @@ class InferenceJob:
                 param="model",
             )
         request_id = new_request_id(prepared.endpoint)
-        tokens, slots = prepared.reserved_tokens, prepared.num_sequences
-        key = principal.key_quota
-        rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
-        if _has_spend_budget(principal):
-            rate = await current_rate(services.database, prepared.model, sum(len(p) for p in prepared.prompts))
-        spend = 0 if rate is None else rate.cost(tokens)
-        refusal = never_fits(principal.limits, tokens, slots, spend) or (
-            key and never_fits(key.limits, tokens, slots, spend, "key")
-        )
-        if refusal is not None:
-            raise refusal
-        decision = await services.quotas.reserve(
-            principal.tenant_id, principal.limits, tokens, request_id, slots=slots, key=key, rate=rate
-        )
-        if decision.reservation is None:
-            services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
-            raise quota_exceeded(decision, tokens, slots, requested_spend=spend)
-        reservation = decision.reservation
+        decision, reservation = await _reserve(services, principal, prepared, request_id)
         lease = services.lease_expiry()
-        record = RequestRecord(
-            id=request_id,
-            tenant_id=principal.tenant_id,
-            api_key_id=principal.key_id,
-            endpoint=prepared.endpoint,
-            model=prepared.model,
-            input=prepared.input,
-            params=prepared.params_record(),
-            status=RequestStatus.QUEUED,
-            lease_expires_at=lease,
-            trace_id=tracing.trace_id(),
-            reserved_tokens=reservation.tokens,
-            reserved_micros=reservation.spend,
-        )
-        try:
-            await services.requests.create(record)
-        except BaseException:
-            await services.quotas.reconcile(reservation, 0)
-            raise
+        await _persist_queued(services, principal, prepared, request_id, reservation, lease)
         submit = Submit(
             request_id=request_id,
             tenant_id=principal.tenant_id,
@@ -209,7 +159,7 @@ class InferenceJob:
         )
         handed_over_at = time.monotonic()
         try:
-            await transport.submit(submit)
+            await services.engine.transport.submit(submit)
         except (APIError, asyncio.CancelledError) as exc:  # already an answer, or the caller went away
             await cls._unsubmitted(services, submit, exc)
             raise
@@ -224,9 +174,8 @@ class InferenceJob:
         """No engine got the request: fail its row (with a public message; the cause goes to the log) and give its
         reservation back."""
         logger.warning("request %s was not handed to an engine", submit.request_id, exc_info=exc)
-        now = FinishedRequest.failed(f"{ErrorCode.ENGINE_UNAVAILABLE}: the request could not be handed to an engine")
-        if await services.requests.finish(submit.request_id, submit.tenant_id, submit.model, now):
-            await services.quotas.reconcile(submit.reservation, 0)
+        failed = FinishedRequest.failed(ErrorInfo(ErrorCode.ENGINE_UNAVAILABLE, NOT_HANDED_OVER))
+        await Settlement(services.requests, services.quotas).settle(submit, failed, attempt=1)
 
     @property
     def usage(self) -> Usage:
@@ -272,7 +221,7 @@ class InferenceJob:
             if not self._ended:
                 await asyncio.shield(self.services.engine.transport.abort(self.id))
 
-    async def collect(self) -> list[ChoiceState]:
+    async def collect(self) -> list[ChoiceSoFar]:
         """Run to the end; the choices in index order."""
         async for _ in self.run():
             pass
@@ -296,11 +245,7 @@ class InferenceJob:
                 replayed = self._replayed[choice.index] = self._replayed.get(choice.index, 0) + len(choice.token_ids)
                 if replayed <= self._delivered.get(choice.index, 0):
                     continue  # the client has these tokens from the attempt that died
-            state = self.choices[choice.index]
-            state.text.append(choice.text)
-            state.num_tokens += len(choice.token_ids)
-            state.finish_reason = choice.finish_reason or state.finish_reason
-            state.logprobs.extend(choice.logprobs or ())
+            self.choices[choice.index].add(choice)
             news.append(choice)
         if self._first_token is None and any(c.token_ids for c in news):
             self._first_token = time.monotonic()
@@ -380,3 +325,57 @@ async def wait_ended(services: PlatformServices, request_id: str, timeout: float
                     return
     except TimeoutError:
         pass
+
+
+async def _reserve(
+    services: PlatformServices, principal: Principal, prepared: PreparedRequest, request_id: str
+) -> tuple[Decision, Reservation]:
+    """Reserve the request's tokens, sequences and spend under the tenant's limits and the key's; a 400 when it
+    could never fit them, a 429 when it does not fit now."""
+    tokens, slots, key = prepared.reserved_tokens, prepared.num_sequences, principal.key_quota
+    rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
+    if _has_spend_budget(principal):
+        rate = await current_rate(services.database, prepared.model, sum(len(p) for p in prepared.prompts))
+    spend = 0 if rate is None else rate.cost(tokens)
+    refusal = never_fits(principal.limits, tokens, slots, spend) or (
+        key and never_fits(key.limits, tokens, slots, spend, "key")
+    )
+    if refusal is not None:
+        raise refusal
+    decision = await services.quotas.reserve(
+        principal.tenant_id, principal.limits, tokens, request_id, slots=slots, key=key, rate=rate
+    )
+    if decision.reservation is None:
+        services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
+        raise quota_exceeded(decision, tokens, slots, requested_spend=spend)
+    return decision, decision.reservation
+
+
+async def _persist_queued(
+    services: PlatformServices,
+    principal: Principal,
+    prepared: PreparedRequest,
+    request_id: str,
+    reservation: Reservation,
+    lease: dt.datetime,
+) -> None:
+    """Write the request's `queued` row; if that fails, the reservation is given back before the error goes on."""
+    record = RequestRecord(
+        id=request_id,
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.key_id,
+        endpoint=prepared.endpoint,
+        model=prepared.model,
+        input=prepared.input,
+        params=prepared.params_record(),
+        status=RequestStatus.QUEUED,
+        lease_expires_at=lease,
+        trace_id=tracing.trace_id(),
+        reserved_tokens=reservation.tokens,
+        reserved_micros=reservation.spend,
+    )
+    try:
+        await services.requests.create(record)
+    except BaseException:
+        await services.quotas.reconcile(reservation, 0)
+        raise

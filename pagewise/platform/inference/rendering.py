@@ -12,7 +12,7 @@ from litestar.response import Stream
 from litestar.types import Receive, Scope, Send
 
 from pagewise.platform.errors import as_api_error
-from pagewise.platform.inference.job import ChoiceState, InferenceJob
+from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -29,7 +29,7 @@ from pagewise.platform.inference.schemas import (
     TopLogprob,
     Usage,
 )
-from pagewise.serving.protocol import ChoiceDelta, PositionLogprobs, TokenLogprob
+from pagewise.serving.protocol import ChoiceDelta, ChoiceSoFar, PositionLogprobs, TokenLogprob
 
 _DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -71,7 +71,7 @@ def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> Compl
     )
 
 
-def chat_completion(job: InferenceJob, choices: list[ChoiceState]) -> ChatCompletion:
+def chat_completion(job: InferenceJob, choices: list[ChoiceSoFar]) -> ChatCompletion:
     wants_logprobs = job.prepared.params.logprobs is not None
     return ChatCompletion(
         id=job.id,
@@ -90,7 +90,7 @@ def chat_completion(job: InferenceJob, choices: list[ChoiceState]) -> ChatComple
     )
 
 
-def completion(job: InferenceJob, choices: list[ChoiceState]) -> Completion:
+def completion(job: InferenceJob, choices: list[ChoiceSoFar]) -> Completion:
     wants_logprobs = job.prepared.params.logprobs is not None
     return Completion(
         id=job.id,

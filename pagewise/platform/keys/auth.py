@@ -55,10 +55,7 @@ class Principal(msgspec.Struct, frozen=True):
 
 
 _KEYS, _TENANTS = ApiKey.__table__, Tenant.__table__
-_TENANT_COLUMNS = (
-    "name", "status", "requests_per_minute", "tokens_per_minute", "monthly_token_budget", "max_concurrent_requests",
-    "monthly_spend_budget_micros", "max_tokens_per_request", "max_n", "weight",
-)
+_TENANT_COLUMNS = ("name", "status", *QuotaLimits.__struct_fields__, "max_tokens_per_request", "max_n", "weight")
 # Built once (every authenticated request runs it): the key's columns, and its tenant's as `tenant_<column>`.
 _KEY_WITH_TENANT = (
     select(_KEYS, *(_TENANTS.c[name].label(f"tenant_{name}") for name in _TENANT_COLUMNS))
@@ -68,26 +65,19 @@ _KEY_WITH_TENANT = (
 _TOUCH = update(_KEYS).where(_KEYS.c.id == bindparam("key_id"))
 
 
+KEY_QUOTA_FIELDS = tuple(name for name in QuotaLimits.__struct_fields__ if name != "max_concurrent_requests")
+
+
 def tenant_limits(row: Row) -> QuotaLimits:
-    """The quota limits of the tenant in a `_KEY_WITH_TENANT` row."""
-    return QuotaLimits(
-        requests_per_minute=row.tenant_requests_per_minute,
-        tokens_per_minute=row.tenant_tokens_per_minute,
-        monthly_token_budget=row.tenant_monthly_token_budget,
-        max_concurrent_requests=row.tenant_max_concurrent_requests,
-        monthly_spend_budget_micros=row.tenant_monthly_spend_budget_micros,
-    )
+    """The quota limits of the tenant in a `_KEY_WITH_TENANT` row (its columns carry the limits' names)."""
+    return QuotaLimits(**{name: getattr(row, f"tenant_{name}") for name in QuotaLimits.__struct_fields__})
 
 
 def key_quota(row: Row) -> KeyQuota | None:
     """The key's own limits as a quota scope, or `None` when it has none (no counters are kept for it). The
-    scope is the key's budget lineage (its first rotation's id), so a rotated key continues its budget."""
-    limits = QuotaLimits(
-        requests_per_minute=row.requests_per_minute,
-        tokens_per_minute=row.tokens_per_minute,
-        monthly_token_budget=row.monthly_token_budget,
-        monthly_spend_budget_micros=row.monthly_spend_budget_micros,
-    )
+    scope is the key's budget lineage (its first rotation's id), so a rotated key continues its budget. A key
+    has every limit a tenant has but concurrency, which stays the tenant's."""
+    limits = QuotaLimits(**{name: getattr(row, name) for name in KEY_QUOTA_FIELDS})
     return None if limits == QuotaLimits() else KeyQuota(row.budget_key_id or row.id, limits)
 
 

@@ -9,6 +9,14 @@ import msgspec
 
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.inference.schemas import PromptTokensDetails, Usage
+from pagewise.platform.requests.store import row_error
+
+
+class RequestError(msgspec.Struct, frozen=True):
+    """Why a request failed: our error code (the same `code` its HTTP error carried) and a public message."""
+
+    code: str
+    message: str
 
 
 class RequestOut(msgspec.Struct, kw_only=True):
@@ -21,7 +29,7 @@ class RequestOut(msgspec.Struct, kw_only=True):
     output: list[Any] | None
     finish_reason: str | None
     usage: Usage
-    error: str | None
+    error: RequestError | None  # on a failed request only
     queued_at: dt.datetime
     started_at: dt.datetime | None
     first_token_at: dt.datetime | None
@@ -61,7 +69,7 @@ def request_out(row: RequestRecord) -> RequestOut:
         output=row.output,
         finish_reason=row.finish_reason,
         usage=usage,
-        error=row.error,
+        error=None if (error := row_error(row)) is None else RequestError(error.code.value, error.message),
         queued_at=row.queued_at,
         started_at=row.started_at,
         first_token_at=row.first_token_at,

@@ -26,10 +26,11 @@ from pagewise.platform.db.database import Database
 from pagewise.platform.db.faults import is_database_fault
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily, as_utc
 from pagewise.platform.errors import invalid_request
-from pagewise.serving.ledgers import FinishedRequest, Settled
-from pagewise.serving.protocol import RequestStatus
+from pagewise.serving.ledgers import Billed, FinishedRequest
+from pagewise.serving.protocol import ErrorCode, ErrorInfo, RequestStatus
 
-ORPHANED_ERROR = "orphaned: the process serving it stopped before it finished"
+ORPHANED = ErrorInfo(ErrorCode.WORKER_LOST, "the process serving it stopped before it finished")
+INTERRUPTED = ErrorInfo(ErrorCode.WORKER_LOST, "the server stopped before it finished")
 
 
 _ROWS = RequestRecord.__table__
@@ -56,13 +57,11 @@ class RequestStore:
         values = {column.key: getattr(record, column.key) for column in _ROWS.c if column.key in record.__dict__}
         await self._database.run(partial(_execute, _INSERT, values))
 
-    async def mark_running(
-        self, request_id: str, started_at: dt.datetime, first_token_at: dt.datetime
-    ) -> None:
+    async def mark_running(self, request_id: str, started_at: dt.datetime, first_token_at: dt.datetime) -> None:
         values = {"status": RequestStatus.RUNNING.value, "started_at": started_at, "first_token_at": first_token_at}
         await self._database.run(partial(_execute, _START, {"request_id": request_id, **values}))
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Settled | None:
+    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Billed | None:
         """The final write, its cost and the day's usage, in one transaction. Returns what it billed when this call
         finished the row; `None` when it was already terminal (finished before, or failed by a sweep) — then
         nothing changes.
@@ -82,7 +81,7 @@ class RequestStore:
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
             cached_tokens=row.cached_tokens,
-            error=row.error,
+            error=row_error(row),
             started_at=None if row.started_at is None else as_utc(row.started_at),
             first_token_at=None if row.first_token_at is None else as_utc(row.first_token_at),
             finished_at=as_utc(row.finished_at or dt.datetime.now(dt.UTC)),
@@ -109,18 +108,18 @@ class RequestStore:
         many. Rows without a lease (an embedded server's, a NULL never compares) are left to `fail_unfinished`.
         """
         now = now.astimezone(dt.UTC)
-        return await self._fail(ORPHANED_ERROR, now, RequestRecord.lease_expires_at < now)
+        return await self._fail(ORPHANED, now, RequestRecord.lease_expires_at < now)
 
-    async def fail_unfinished(self, reason: str) -> int:
-        """Mark rows left queued/running by a previous process as failed; returns how many."""
-        return await self._fail(reason, dt.datetime.now(dt.UTC))
+    async def fail_unfinished(self) -> int:
+        """Mark rows left queued/running by a previous process as failed (`INTERRUPTED`); returns how many."""
+        return await self._fail(INTERRUPTED, dt.datetime.now(dt.UTC))
 
-    async def _fail(self, reason: str, now: dt.datetime, *conditions: ColumnElement[bool]) -> int:
+    async def _fail(self, error: ErrorInfo, now: dt.datetime, *conditions: ColumnElement[bool]) -> int:
         async with self._sessionmaker() as session, session.begin():
             outcome = await session.execute(
                 update(RequestRecord)
                 .where(RequestRecord.status.in_(UNFINISHED_STATUSES), *conditions)
-                .values(status=RequestStatus.FAILED.value, error=reason, finished_at=now)
+                .values(status=RequestStatus.FAILED, error_code=error.code, error=error.message, finished_at=now)
             )
         return outcome.rowcount or 0
 
@@ -145,13 +144,20 @@ def _execute(statement: Executable, values: dict[str, Any], connection: Connecti
 
 def _finish(
     request_id: str, tenant_id: str, model: str, result: FinishedRequest, connection: Connection
-) -> Settled | None:
+) -> Billed | None:
     """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
     key's, on the day of `finished_at`."""
     price = price_in_effect(connection, model, result.finished_at)
     cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
     values = msgspec.structs.asdict(result)
-    values.update(request_id=request_id, cost_micros=cost, price_id=None if price is None else price.id)
+    error = result.error
+    values.update(
+        request_id=request_id,
+        cost_micros=cost,
+        price_id=None if price is None else price.id,
+        error_code=None if error is None else error.code,
+        error=None if error is None else error.message,
+    )
     won = connection.execute(_FINISH, values).first()
     if won is None:
         return None
@@ -167,7 +173,14 @@ def _finish(
         "cost_micros": cost,
     }
     connection.execute(_USAGE_UPSERT[connection.dialect.name], usage)
-    return Settled(cost)
+    return Billed(cost)
+
+
+def row_error(row: RequestRecord) -> ErrorInfo | None:
+    """A row's error as data: our code and the public message (the cause of a failure is in the log)."""
+    if row.error_code is None:
+        return None
+    return ErrorInfo(ErrorCode(row.error_code), row.error or "")
 
 
 def tenant_requests(tenant_id: str) -> Select[tuple[RequestRecord]]:

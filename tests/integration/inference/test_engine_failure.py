@@ -57,7 +57,10 @@ async def test_a_request_raising_in_the_step_fails_alone(platform: Platform, mon
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 12
     assert (await platform.http.get("/ready")).status_code == 200
     [row] = (await platform.http.get("/v1/requests", headers=bearer(victim))).json()["data"]
-    assert row["status"] == "failed" and row["error"] == "internal_error: the engine failed while running this request"
+    assert row["status"] == "failed" and row["error"] == {
+        "code": "internal_error",
+        "message": "the engine failed while running this request",
+    }
     assert "poisoned" not in str(row)  # the stored error is public too: the cause is in the log only
     quota = await platform.services.quotas.usage(victim_tenant["id"])
     assert quota.concurrent == 0 and quota.tokens_this_minute == row["usage"]["total_tokens"]
@@ -195,7 +198,7 @@ async def test_a_request_no_engine_took_keeps_its_cause_out_of_its_row(
     assert created.json()["error"]["code"] == "engine_unavailable"
     [row] = (await platform.http.get("/v1/requests", headers=bearer(key))).json()["data"]
     assert row["status"] == "failed"
-    assert row["error"] == "engine_unavailable: the request could not be handed to an engine"
+    assert row["error"] == {"code": "engine_unavailable", "message": "the request could not be handed to an engine"}
     assert "6379" not in str(row)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pagewise.platform.db.models import RequestRecord, as_utc
 from pagewise.platform.inference.leases import sweep
-from pagewise.platform.requests.store import ORPHANED_ERROR
+from pagewise.platform.requests.store import ORPHANED, row_error
 
 from ..harness import MODEL, Platform, bearer
 from ..requests.rows import request_row
@@ -41,7 +41,7 @@ async def test_heartbeat_renews_a_live_request_and_fails_an_orphan(platform: Pla
         live = await session.get(RequestRecord, live_id)
         gone = await session.get(RequestRecord, orphan.id)
     assert live.status in ("queued", "running") and as_utc(live.lease_expires_at) > first_lease
-    assert (gone.status, gone.error) == ("failed", ORPHANED_ERROR)
+    assert (gone.status, row_error(gone)) == ("failed", ORPHANED)
     cancelled = await platform.http.delete(f"/v1/requests/{live_id}", headers=bearer(key))
     assert cancelled.json()["status"] == "cancelled"
     assert live_id not in host.live

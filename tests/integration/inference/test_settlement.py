@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from pagewise.engine.async_engine import AsyncLLMEngine
 from pagewise.engine.outputs import NO_USAGE
+from pagewise.engine.request_ids import prompt_id
 from pagewise.platform.db.models import ApiKey, RequestRecord
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import prepare_completion
@@ -83,8 +84,9 @@ def _failing_generate(engine: AsyncLLMEngine, *, after_first: bool) -> Any:
     """The real engine's `generate`, except that generation fails: at once, or after the first output."""
     real = engine.generate
 
-    async def generate(prompt: list[int], params: Any, request_id: str, tenant_id: str, *, usage: Future, **kw: Any
-                       ) -> AsyncIterator[Any]:
+    async def generate(
+        prompt: list[int], params: Any, request_id: str, tenant_id: str, *, usage: Future, **kw: Any
+    ) -> AsyncIterator[Any]:
         if after_first:  # the real engine reports the usage of the request it aborts
             async with aclosing(real(prompt, params, request_id, tenant_id, usage=usage, **kw)) as outputs:
                 async for output in outputs:
@@ -117,12 +119,13 @@ async def test_engine_failure_settles_and_fails_the_row(
         assert response.status_code == 500
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     row = await _assert_settled(platform, tenant["id"], "failed")
-    assert row.error == "internal_error: the engine failed while running this request"  # the cause: log only
+    assert (row.error_code, row.error) == (
+        "internal_error",
+        "the engine failed while running this request",
+    )  # the cause: log only
 
 
-async def test_engine_validation_failure_after_reservation(
-    platform: Platform, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_engine_validation_failure_after_reservation(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validation that passes at admission but fails in the engine (e.g. the engine changed in between)."""
     from pagewise.engine.errors import InvalidRequestError
 
@@ -199,7 +202,7 @@ async def test_engine_side_abort_ends_cancelled(platform: Platform) -> None:
             events.append(message["body"])
             if len(events) == 3:  # two text deltas in: abort on the engine's side
                 request_id = json.loads(message["body"].removeprefix(b"data: "))["id"]
-                platform.services.engine.transport.host.engine.abort(f"{request_id}-0")
+                platform.services.engine.transport.host.engine.abort(prompt_id(request_id, 0))
 
     await asyncio.wait_for(platform.app(asgi_scope("/v1/completions", key), receive, send), timeout=120)
     last = json.loads(events[-1].removeprefix(b"data: "))

@@ -16,10 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import RequestRecord, Tenant, UsageDaily, as_utc
-from pagewise.platform.requests.store import ORPHANED_ERROR, RequestStore
+from pagewise.platform.requests.store import ORPHANED, RequestStore, row_error
 from pagewise.platform.tenants.schemas import TenantCreate
 from pagewise.platform.tenants.service import TenantService
-from pagewise.serving.ledgers import FinishedRequest, Settled
+from pagewise.serving.ledgers import Billed, FinishedRequest
 
 from .rows import request_row
 
@@ -78,7 +78,7 @@ async def test_finish_twice_adds_usage_once(
     store = RequestStore(database)
     row = request_row(tenant_id, "completions", T0)
     await store.create(row)
-    assert await store.finish(row.id, tenant_id, "m", _result(5)) == Settled(0)  # "m" has no price
+    assert await store.finish(row.id, tenant_id, "m", _result(5)) == Billed(0)  # "m" has no price
     assert await store.finish(row.id, tenant_id, "m", _result(9, "cancelled")) is None
     rows, usage = await _rows(sessionmaker, tenant_id)
     assert (rows[row.id].status, rows[row.id].completion_tokens) == ("completed", 5)
@@ -102,10 +102,10 @@ async def test_fail_orphans_touches_only_expired_unfinished_rows(
         await store.create(row)
     assert await store.fail_orphans(now) == 2
     after, _ = await _rows(sessionmaker, tenant_id)
-    states = {name: (after[r.id].status, after[r.id].error) for name, r in rows.items()}
+    states = {name: (after[r.id].status, row_error(after[r.id])) for name, r in rows.items()}
     assert states == {
-        "expired queued": ("failed", ORPHANED_ERROR),
-        "expired running": ("failed", ORPHANED_ERROR),
+        "expired queued": ("failed", ORPHANED),
+        "expired running": ("failed", ORPHANED),
         "live running": ("running", None),
         "expired completed": ("completed", None),
         "no lease": ("queued", None),

@@ -23,9 +23,9 @@ from pagewise.platform.keys.key_format import generate_key
 from pagewise.platform.quotas.redis_store import RedisQuotaStore
 from pagewise.platform.requests.store import RequestStore
 from pagewise.platform.settings import Settings
-from pagewise.serving.execution import Emit
 from pagewise.serving.host import EngineHost
 from pagewise.serving.protocol import ChoiceDelta, Delta, Event, Finished, RedisKeys, Usage, decode_event, encode
+from pagewise.serving.settlement import Emit
 from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL

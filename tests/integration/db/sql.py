@@ -1,0 +1,26 @@
+"""Raw SQL against a migrated database, for the migration tests (which run below the ORM's models)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from sqlalchemy import text
+
+from pagewise.platform.db.session import create_db_engine
+
+
+def run_sql(url: str, *statements: str) -> list:
+    """Run `statements` in one transaction (`:now` bound to the current time); the last result's rows."""
+
+    async def go() -> list:
+        engine = create_db_engine(url)
+        rows: list = []
+        async with engine.begin() as connection:
+            for statement in statements:
+                result = await connection.execute(text(statement), {"now": dt.datetime.now(dt.UTC)})
+                rows = list(result.all()) if result.returns_rows else rows
+        await engine.dispose()
+        return rows
+
+    return asyncio.run(go())
