@@ -22,6 +22,7 @@ _EXPORTS = {
     "RequestOutput": "pagewise.engine.outputs",
     "RequestUsage": "pagewise.engine.outputs",
     "SamplingParams": "pagewise.engine.sampling_params",
+    "StructuredOutputsParams": "pagewise.engine.structured_outputs",
 }
 __all__ = [
     "LLM",
@@ -36,6 +37,7 @@ __all__ = [
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from pagewise.engine.llm_engine import LLMEngine
     from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestUsage
     from pagewise.engine.sampling_params import SamplingParams
+    from pagewise.engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,7 @@ from pagewise.engine.errors import (
     StepFailedError,
 )
 from pagewise.engine.gemm_selection import select_gemm_path
+from pagewise.engine.grammar_matcher import GrammarTokenizer, advance
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.limits import PromptLimits, prompt_token_ids
@@ -95,6 +96,9 @@ class LLMEngine:
             self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False), self.eos_token_ids
         )
         self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device)
+        self.grammar = GrammarTokenizer(
+            self.tokenizer.backend.to_str(), arch.vocab_size, sorted(self.eos_token_ids)
+        )
         self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[Request, RequestGroup] = {}
         self._arrivals = itertools.count()
@@ -204,6 +208,8 @@ class LLMEngine:
             )
             if sample_params.seed is not None:
                 request.generator = torch.Generator(self.device).manual_seed(sample_params.seed)
+            if sample_params.structured_outputs is not None:
+                request.matcher = self.grammar.new_matcher(sample_params.structured_outputs)
             samples.append(
                 SampleState(
                     request,
@@ -302,7 +308,11 @@ class LLMEngine:
         group.changed = True
         if result.logprobs is not None:
             request.output_logprobs.append(result.logprobs)
+        if request.matcher is not None:
+            advance(request.matcher, result.token_id)
         finish = group.sample_of(request).after_token(result.token_id, self.eos_token_ids, self.max_model_len)
+        if finish is None and request.matcher is not None and request.matcher.is_stopped():
+            finish = group.sample_of(request).grammar_complete()  # the document is whole: nothing may follow
         if finish is not None:
             request.finish_reason, request.stop_reason = finish
             self.scheduler.finish(request)  # its blocks are free for the next step

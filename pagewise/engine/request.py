@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    matcher: Any = None  # its llguidance matcher when its params carry structured_outputs (grammar_matcher.py)
     # lifecycle bookkeeping of `pagewise.engine.request_metrics` (no effect on scheduling)
     prefill_end: int = 0  # the position its current prefill runs to: a scheduled chunk starting before it is prefill
     preempted_mode: str | None = None  # "swap" or "recompute" from its preemption until it is scheduled again

@@ -52,6 +52,11 @@ class SampleState:
             return "length", None
         return None
 
+    def grammar_complete(self) -> Finish:
+        """The sample's structured output is a whole document and its grammar allows nothing more: it stops."""
+        self.text += self.detokenizer.flush()
+        return "stop", None
+
     def _stop_string(self, previous_len: int) -> str | None:
         """The earliest stop string ending in the new text; the text is cut there (the detokenizer's held-back
         text is dropped with the rest)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewise.engine.grammar_matcher import mask_logits
 from pagewise.engine.outputs import Logprob
 from pagewise.engine.request import Request
 from pagewise.engine.sampling_params import SamplingParams
@@ -88,6 +89,13 @@ class Sampler:
         return tokens
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        constrained = [row for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:  # first: every later adjustment sees only the tokens the grammar allows
+            logits = logits.clone()
+            mask_logits(logits, constrained, [requests[row].matcher for row in constrained])
+        return self._adjust_unconstrained(logits, requests)
+
+    def _adjust_unconstrained(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """vLLM's order: logit bias and the min-tokens mask, then repetition, frequency and presence penalties.
         Returns ``logits`` itself when no row needs anything, else an adjusted copy."""
         bias = [i for i, r in enumerate(requests) if r.params.logit_bias]

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.structured_outputs import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM): dividing by them overflows fp32
@@ -94,6 +95,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -131,6 +133,17 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         self._validate_stops()
         self._validate_logit_bias()
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        if not isinstance(constraint, StructuredOutputsParams):
+            _fail("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}")
+        if self.min_tokens:
+            # min_tokens forbids EOS exactly where a finished document allows nothing else
+            _fail("min_tokens", "min_tokens cannot be combined with structured_outputs")
 
     def _validate_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
+import msgspec
 
 from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams
+from pagewise.engine.structured_outputs import StructuredOutputsParams
 from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.errors import APIError, invalid_request
 from pagewise.platform.inference.schemas import (
@@ -23,8 +25,13 @@ from pagewise.platform.inference.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    TextFormat,
     _SamplingFields,
 )
+from pagewise.platform.inference.tools import ToolPlan, plan_tools, render_message, system_prompt
+from pagewise.platform.inference.tools import constraint as tool_constraint
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
 
@@ -50,6 +57,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # a chat request's offered functions (`inference/tools.py`)
 
     @property
     def num_sequences(self) -> int:
@@ -64,6 +72,8 @@ class PreparedRequest:
     def params_record(self) -> dict[str, Any]:
         record = dataclasses.asdict(self.params)
         record.pop("stop_strings", None)
+        if record["structured_outputs"] is not None:  # the constraint as asked, not the grammar it compiled to
+            record["structured_outputs"].pop("grammar_text", None)
         return record
 
 
@@ -88,7 +98,11 @@ async def prepare_chat(
         raise invalid_request(
             f"messages hold {parts:,} content parts; at most {MAX_CONTENT_PARTS:,} per request", param="messages"
         )
-    messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
+    try:
+        tools = plan_tools(body)
+    except InvalidRequestError as error:
+        raise invalid_request(str(error), param=error.param) from None
+    messages = _rendered_messages(body, tools)
     work = sum(len(m["content"]) for m in messages) + MESSAGE_WORK_CHARS * len(messages)
     try:
         prompt = await _tokenize(work, engine.encode_chat, messages)
@@ -98,7 +112,7 @@ async def prepare_chat(
         ) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(
-        body, [prompt], principal, engine, max_tokens, default_max_tokens=None, logprobs=logprobs
+        body, [prompt], principal, engine, max_tokens, default_max_tokens=None, logprobs=logprobs, tools=tools
     )
     return PreparedRequest(
         "chat.completions",
@@ -108,7 +122,23 @@ async def prepare_chat(
         params,
         body.stream,
         _include_usage(body),
+        tools,
     )
+
+
+def _rendered_messages(body: ChatCompletionRequest, tools: ToolPlan | None) -> list[dict[str, str]]:
+    """The messages as the chat template gets them: text only, earlier calls and tool results in the call format,
+    and the offered functions described in the system message."""
+    messages = [
+        render_message(m.role, _message_text(m.content, i), m.tool_calls) for i, m in enumerate(body.messages)
+    ]
+    if tools is not None:
+        offer = system_prompt(tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{offer}"}
+        else:
+            messages.insert(0, {"role": "system", "content": offer})
+    return messages
 
 
 async def prepare_completion(
@@ -255,6 +285,33 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return bias
 
 
+def _constraint(body: _SamplingFields, tools: ToolPlan | None) -> StructuredOutputsParams | None:
+    """The output constraint of `response_format` (OpenAI's), `structured_outputs` (vLLM's) or a `required` or
+    named `tool_choice`, at most one of them; what cannot be enforced is an `InvalidRequestError` naming the body's
+    own field."""
+    response_format, vllm_form = body.response_format, body.structured_outputs
+    if isinstance(response_format, TextFormat):
+        response_format = None
+    if response_format is not None and vllm_form is not None:
+        raise InvalidRequestError("give response_format or structured_outputs, not both", param="response_format")
+    if tools is not None and tools.constrained:
+        if response_format is not None or vllm_form is not None:
+            raise InvalidRequestError("a required tool_choice already fixes the answer's format", param="tool_choice")
+        return tool_constraint(tools)
+    if vllm_form is not None:
+        return StructuredOutputsParams(**msgspec.structs.asdict(vllm_form))
+    if isinstance(response_format, JsonObjectFormat):
+        return StructuredOutputsParams(json_object=True)
+    if isinstance(response_format, JsonSchemaResponseFormat):
+        schema = response_format.json_schema.schema
+        try:
+            return StructuredOutputsParams(json={} if schema is None else schema)
+        except InvalidRequestError as error:
+            message = str(error).replace("structured_outputs.json", "response_format.json_schema.schema")
+            raise InvalidRequestError(message, param="response_format.json_schema.schema") from None
+    return None
+
+
 def _sampling_params(
     body: _SamplingFields,
     prompts: list[list[int]],
@@ -263,6 +320,7 @@ def _sampling_params(
     max_tokens: int | None,
     default_max_tokens: int | None,
     logprobs: int | None,
+    tools: ToolPlan | None = None,
 ) -> SamplingParams:
     """Check tenant limits and the context window, then build (and engine-validate) the parameters."""
     tenant_cap = principal.max_tokens_per_request
@@ -304,6 +362,7 @@ def _sampling_params(
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias),
+            structured_outputs=_constraint(body, tools),
         )
         for prompt in prompts:
             engine.validate(prompt, params)

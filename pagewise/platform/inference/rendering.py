@@ -26,9 +26,11 @@ from pagewise.platform.inference.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     PromptTokensDetails,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from pagewise.platform.inference.tools import might_be_calls, parse_calls
 from pagewise.serving.protocol import ChoiceDelta, ChoiceSoFar, PositionLogprobs, TokenLogprob
 
 _DONE = b"data: [DONE]\n\n"
@@ -73,21 +75,22 @@ def completion_logprobs(positions: list[PositionLogprobs], offset: int) -> Compl
 
 def chat_completion(job: InferenceJob, choices: list[ChoiceSoFar]) -> ChatCompletion:
     wants_logprobs = job.prepared.params.logprobs is not None
-    return ChatCompletion(
-        id=job.id,
-        created=job.created,
-        model=job.prepared.model,
-        usage=usage(job),
-        choices=[
-            ChatChoice(
-                c.index,
-                AssistantMessage("assistant", c.full_text),
-                chat_logprobs(c.logprobs) if wants_logprobs else None,
-                c.finish_reason,
-            )
-            for c in choices
-        ],
-    )
+    answers = []
+    for c in choices:
+        message, finish_reason = _answer(job, c.full_text, c.finish_reason)
+        answers.append(ChatChoice(c.index, message, chat_logprobs(c.logprobs) if wants_logprobs else None,
+                                  finish_reason))
+    return ChatCompletion(id=job.id, created=job.created, model=job.prepared.model, usage=usage(job), choices=answers)
+
+
+def _answer(job: InferenceJob, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """A finished choice as the assistant's message: its calls (`finish_reason` `tool_calls`) when it made calls of
+    offered functions, else its text."""
+    plan = job.prepared.tools
+    calls = parse_calls(text, plan) if plan is not None and finish_reason == "stop" else None
+    if calls is None:
+        return AssistantMessage("assistant", text), finish_reason
+    return AssistantMessage("assistant", None, calls), "tool_calls"
 
 
 def completion(job: InferenceJob, choices: list[ChoiceSoFar]) -> Completion:
@@ -126,19 +129,49 @@ async def chat_events(job: InferenceJob) -> AsyncIterator[bytes]:
 
     for index in sorted(job.choices):
         yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None)])
+    held = _HeldCalls(job)
     try:
         async with aclosing(job.run()) as deltas:
             async for d in deltas:
                 if _is_news(d):
-                    logprobs = chat_logprobs(d.logprobs or []) if wants_logprobs else None
-                    content = ChatDelta(content=d.text) if d.text else ChatDelta()
-                    yield chunk([ChatChunkChoice(d.index, content, logprobs, d.finish_reason)])
+                    for choice in held.chunks(d, chat_logprobs(d.logprobs or []) if wants_logprobs else None):
+                        yield chunk([choice])
     except Exception as exc:  # the status line is long gone: the error travels as an event
         yield _error_event(exc, job)
     else:
         if job.prepared.include_usage:
             yield chunk([], usage(job))
     yield _DONE
+
+
+class _HeldCalls:
+    """With functions offered, a streamed choice's text is held back while it may still be calls (it starts like
+    `<tool_call>`); content from the moment it cannot be, or its calls, whole, in its last chunk. Without, every
+    delta passes as it came."""
+
+    def __init__(self, job: InferenceJob) -> None:
+        self._job, self._plan = job, job.prepared.tools
+        self._held: dict[int, list[ChoiceDelta]] = {}
+        self._released: set[int] = set()
+
+    def chunks(self, d: ChoiceDelta, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
+        if self._plan is None or d.index in self._released:
+            return [ChatChunkChoice(d.index, ChatDelta(content=d.text) if d.text else ChatDelta(), logprobs,
+                                    d.finish_reason)]
+        held = self._held.setdefault(d.index, [])
+        held.append(d)
+        text = "".join(h.text for h in held)
+        if d.finish_reason is None and (self._plan.constrained or might_be_calls(text)):
+            return []
+        del self._held[d.index]
+        message, finish_reason = _answer(self._job, text, d.finish_reason)
+        if message.tool_calls is None:
+            self._released.add(d.index)
+            whole = [p for h in held for p in h.logprobs or ()]
+            lp = chat_logprobs(whole) if logprobs is not None else None
+            return [ChatChunkChoice(d.index, ChatDelta(content=text) if text else ChatDelta(), lp, d.finish_reason)]
+        calls = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(message.tool_calls)]
+        return [ChatChunkChoice(d.index, ChatDelta(tool_calls=calls), None, finish_reason)]
 
 
 async def completion_events(job: InferenceJob) -> AsyncIterator[bytes]:

@@ -27,15 +27,91 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: FunctionName
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: Annotated[str, msgspec.Meta(max_length=256)]
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # a tool message's
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced, `strict` or not: a keyword the
+    grammar library cannot enforce is a 400 naming it."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaResponseFormat(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="json_schema"
+):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` request field: exactly one of a JSON Schema, a regex, a choice list, a Lark
+    grammar or any JSON object."""
+
+    json: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints. Beyond OpenAI's: vLLM's `top_k`, `min_p`, `ignore_eos`,
-    `repetition_penalty`, `min_tokens`, `stop_token_ids` and `include_stop_str_in_output`."""
+    `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `structured_outputs`."""
 
     model: Name
     max_tokens: PositiveInt | None = None
@@ -57,6 +133,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     stop_token_ids: list[Count] | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +142,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -119,9 +200,10 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -140,9 +222,19 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """One call in a streamed chunk; here each call is sent whole, in one chunk (OpenAI's clients accumulate)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

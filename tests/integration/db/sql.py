@@ -9,6 +9,12 @@ from sqlalchemy import text
 
 from pagewise.platform.db.session import create_db_engine
 
+# a tenant row written below the models (any revision has these columns), for the rows a migration test needs
+OLD_TENANT = (
+    "INSERT INTO tenants (id, name, status, weight, created_at, updated_at)"
+    " VALUES ('ten_old', 'old', 'active', 1.0, :now, :now)"
+)
+
 
 def run_sql(url: str, *statements: str) -> list:
     """Run `statements` in one transaction (`:now` bound to the current time); the last result's rows."""

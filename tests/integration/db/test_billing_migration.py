@@ -10,12 +10,7 @@ from alembic import command
 
 from pagewise.platform.db.migrate import alembic_config, upgrade_head
 
-from .sql import run_sql
-
-_TENANT = (
-    "INSERT INTO tenants (id, name, status, weight, created_at, updated_at)"
-    " VALUES ('ten_old', 'old', 'active', 1.0, :now, :now)"
-)
+from .sql import OLD_TENANT, run_sql
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
@@ -24,7 +19,7 @@ def test_usage_from_before_keys_survives_and_downgrade_merges_keys(kind: str, fr
     command.upgrade(alembic_config(url), "0003")
     run_sql(
         url,
-        _TENANT,
+        OLD_TENANT,
         "INSERT INTO usage_daily (tenant_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens)"
         " VALUES ('ten_old', '2030-01-02', 'm', 3, 30, 20, 10)",
     )

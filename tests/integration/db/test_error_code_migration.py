@@ -10,12 +10,8 @@ from alembic import command
 
 from pagewise.platform.db.migrate import alembic_config, upgrade_head
 
-from .sql import run_sql
+from .sql import OLD_TENANT, run_sql
 
-_TENANT = (
-    "INSERT INTO tenants (id, name, status, weight, created_at, updated_at)"
-    " VALUES ('ten_old', 'old', 'active', 1.0, :now, :now)"
-)
 _ROW = (
     "INSERT INTO requests (id, tenant_id, endpoint, model, input, params, status, prompt_tokens, completion_tokens,"
     " cached_tokens, queued_at, error) VALUES ('{id}', 'ten_old', 'completions', 'm', '{{}}', '{{}}', '{status}',"
@@ -30,7 +26,7 @@ def test_error_strings_become_codes_and_back(kind: str, fresh_database: Callable
     command.upgrade(alembic_config(url), "0007")
     run_sql(
         url,
-        _TENANT,
+        OLD_TENANT,
         _ROW.format(id="a", status="failed", error="'internal_error: the engine failed: a: b'"),
         _ROW.format(id="b", status="failed", error="'orphaned: the process serving it stopped'"),
         _ROW.format(id="c", status="completed", error="NULL"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 
@@ -78,3 +79,42 @@ def test_errors_surface_as_openai_exceptions(client: openai.OpenAI) -> None:
     bad = openai.OpenAI(base_url=str(client.base_url), api_key="pw_000000000000_nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """`client.chat.completions.parse(response_format=Model)`: the client sends the model's strict JSON
+    Schema, and what comes back parses into the model."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a large city and its population."}],
+        response_format=City,
+        max_tokens=60,
+        temperature=0,
+    )
+    [choice] = completion.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+
+
+def test_tool_calls_through_the_client(client: openai.OpenAI) -> None:
+    """`tools` with `tool_choice="required"`: the client reads a typed tool call whose arguments parse."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    [choice] = completion.choices
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)

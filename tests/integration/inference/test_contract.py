@@ -24,6 +24,9 @@ async def _rows(platform: Platform, tenant_id: str) -> int:
         return await session.scalar(query) or 0
 
 
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}  # a keyword it cannot enforce
+
+
 def _completion(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **extra}
 
@@ -31,8 +34,24 @@ def _completion(**extra: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", chat_body(tools=[]), "tools"),
-        ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), "response_format"),
+        (
+            "/v1/chat/completions",
+            chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": UNIQUE}}],
+                      tool_choice="required"),
+            "tools",
+        ),
+        ("/v1/chat/completions", chat_body(tool_choice="required"), "tool_choice"),
+        (
+            "/v1/chat/completions",
+            chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": UNIQUE}}),
+            "response_format.json_schema.schema",
+        ),
+        ("/v1/completions", _completion(structured_outputs={"regex": "(a"}), "structured_outputs.regex"),
+        (
+            "/v1/completions",
+            _completion(response_format={"type": "json_object"}, structured_outputs={"choice": ["a"]}),
+            "response_format",
+        ),
         ("/v1/chat/completions", chat_body(parallel_tool_calls=True), "parallel_tool_calls"),
         ("/v1/chat/completions", chat_body(stream_options={"include_usage": True, "x": 1}), "stream_options.x"),
         ("/v1/completions", _completion(echo=True), "echo"),
