@@ -15,6 +15,7 @@ import threading
 
 import llguidance
 import llguidance.torch
+import tokenizers
 import torch
 
 from pagewise.engine.errors import InvalidRequestError, RequestFailedError
@@ -25,8 +26,8 @@ class GrammarTokenizer:
     """The engine's vocabulary as llguidance sees it: built once, on first use (about a second), shared by every
     matcher of the engine. `vocab_size` is the model's (its logits' width, added tokens included)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self._source = (tokenizer_json, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._source = (tokenizer, vocab_size, eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
@@ -34,8 +35,8 @@ class GrammarTokenizer:
     def get(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                text, vocab_size, eos = self._source
-                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+                tokenizer, vocab_size, eos = self._source  # serialized only now: no cost to an engine not using it
+                self._tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
             return self._tokenizer
 
     def new_matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:

@@ -96,9 +96,7 @@ class LLMEngine:
             self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False), self.eos_token_ids
         )
         self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device)
-        self.grammar = GrammarTokenizer(
-            self.tokenizer.backend.to_str(), arch.vocab_size, sorted(self.eos_token_ids)
-        )
+        self.grammar = GrammarTokenizer(self.tokenizer.backend, arch.vocab_size, sorted(self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[Request, RequestGroup] = {}
         self._arrivals = itertools.count()
