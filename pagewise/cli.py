@@ -24,8 +24,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fair-max-num-batched-tokens",
         type=int,
-        help="fair policy: the step budget while two or more tenants are active (default: 1024 on CPU)",
+        help="fair policy: the step budget while two or more tenants are active (default: the full budget)",
     )
+    group.add_argument(
+        "--no-enable-step-interrupts",
+        dest="enable_step_interrupts",
+        action="store_false",
+        default=None,
+        help="run every step whole: no request owed service (a better priority, a far less served tenant) may "
+        "pause a step between two layers",
+    )
+    group.add_argument("--interrupt-max-num-batched-tokens", type=int, help="an interrupting step's budget (256)")
+    group.add_argument("--max-interrupts-per-step", type=int, help="interrupting steps per paused step (4)")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--kv-cache-memory-bytes", type=int)
     group.add_argument("--gpu-memory-utilization", type=float)

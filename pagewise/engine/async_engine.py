@@ -205,6 +205,7 @@ class AsyncLLMEngine:
         *,
         usage: Future | None = None,
         tenant_weight: float = 1.0,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield ``RequestOutput`` deltas for one request until it finishes. ``usage``, if given, is resolved
         with the request's final ``RequestUsage`` however the request ends (see the module docstring) — once the
@@ -232,6 +233,7 @@ class AsyncLLMEngine:
             tenant_weight=tenant_weight,
             arrival_time=arrival,
             prompt_text=text,
+            priority=priority,
         )
         call = _Call(caller_id, add.engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, token_ids, text)
         self._register(call, add)

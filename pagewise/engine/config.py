@@ -15,7 +15,6 @@ from pagewise.kernels.gemm import cpu_has_native_bf16
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-_DEFAULT_CPU_FAIR_BUDGET = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +44,8 @@ class EngineConfig:
       are split across steps), else ``max(2,048, max_model_len)``.
     - ``fair_max_num_batched_tokens``: under the ``fair`` policy, the step's budget while two or more tenants
       have had work within the last ``RECENT_STEPS`` steps (a tenant alone keeps the full budget): shorter steps
-      while tenants share, so one that arrives waits less for the step in flight. ``None`` = ``min(1024,
-      max_num_batched_tokens)`` on CPU with chunked prefill (there, under a flood, 1,024-token steps computed
-      within 1% as many tokens per second as 2,048-token ones and halved a light tenant's p99 TTFT;
-      docs/benchmarks.md), else the full budget.
+      while tenants share. ``None`` = the full budget: step interrupts (below) let an arrival owed service cut in
+      between two layers, so sharing needs no shorter steps (docs/benchmarks.md).
     - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU. On CUDA the default is what
       ``gpu_memory_utilization`` leaves for it.
     - ``gpu_memory_utilization``: the fraction of the device's *total* memory this engine may use for weights,
@@ -62,6 +59,11 @@ class EngineConfig:
     - ``dtype``: ``auto`` (bf16 projections and KV cache where the CPU multiplies bf16 natively, fp32 elsewhere;
       see ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
       greedy outputs equal HF transformers' fp32 token for token.
+    - ``enable_step_interrupts``: a step may be paused between two layers for a short step of requests owed
+      service ahead of it (a better priority class, or under ``fair`` a tenant far below the paused step's
+      tenants; see ``scheduler``), of at most ``interrupt_max_num_batched_tokens`` tokens, at most
+      ``max_interrupts_per_step`` times per step. ``force_step_interrupts`` (a test switch) interrupts at every
+      layer of every step with any request outside it, without the per-step cap.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -82,6 +84,10 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     cache_dir: str | None = None
+    enable_step_interrupts: bool = True
+    interrupt_max_num_batched_tokens: int = 256
+    max_interrupts_per_step: int = 4
+    force_step_interrupts: bool = False
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -108,6 +114,10 @@ class EngineConfig:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
             fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not is_int(self.interrupt_max_num_batched_tokens) or self.interrupt_max_num_batched_tokens < 1:
+            fail(f"interrupt_max_num_batched_tokens must be >= 1, got {self.interrupt_max_num_batched_tokens}")
+        if not is_int(self.max_interrupts_per_step) or self.max_interrupts_per_step < 0:
+            fail(f"max_interrupts_per_step must be >= 0, got {self.max_interrupts_per_step}")
         if self.preemption_mode not in ("recompute", "swap"):
             fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in POLICIES:
@@ -160,8 +170,7 @@ class EngineConfig:
         """The shared-engine budget (see the class docstring), never above ``budget``."""
         shared = self.fair_max_num_batched_tokens
         if shared is None:
-            on_cpu = not self.device.startswith("cuda")
-            return min(_DEFAULT_CPU_FAIR_BUDGET, budget) if on_cpu and self.enable_chunked_prefill else budget
+            return budget
         if not self.enable_chunked_prefill and shared < max_model_len:
             raise InvalidConfigError(
                 f"fair_max_num_batched_tokens ({shared:,}) is smaller than max_model_len ({max_model_len:,}); "

@@ -10,19 +10,24 @@ Invariants:
 - A tenant becoming backlogged (a request arrives while none of its requests waits) is lifted to the least counter
   among the tenants that are backlogged (or, if none is, running), so time spent idle or asking for less than its
   share is never banked into a burst that would starve the others; a tenant alone takes the whole engine (the
-  policy is work-conserving: counters only order the work, they never idle the engine).
+  policy is work-conserving: counters only order the work, they never idle the engine). The counters it is lifted
+  to leave out what the step in flight charged (work scheduled, not yet served: VTC counts tokens as they are
+  served), so a tenant arriving during a long step of another is owed service ahead of that step by about its
+  cost — what lets it interrupt the step (``interrupt_floor``).
 - Over any interval in which two tenants stay backlogged, their counters differ by at most what the requests one
   of them already runs can still cost, plus one step's charge (``test_fair_share`` states and checks the bound).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagewise.engine.request import Request
 
+INTERRUPT_THRESHOLD = 64.0  # how far (weighted tokens) below a paused step's tenants a tenant must be to interrupt it
 RECENT_STEPS = 32  # a tenant that had work within this many steps counts as sharing the engine
 PROMPT_COST = 1.0
 CACHED_COST = 0.1
@@ -52,12 +57,22 @@ class FairShare:
             del self.last_active[tenant]
         return len(self.last_active)
 
-    def key(self, request: Request) -> tuple[float, int, int]:
-        """Scheduling order: the least-served tenant first, then arrival order within and across tenants."""
-        return self.served.get(tenant_of(request), 0.0), request.arrival_seq, request.sample_index
+    def key(self, request: Request) -> tuple[int, float, int, int]:
+        """Scheduling order: the better priority class first, then the least-served tenant, then arrival order
+        within and across tenants."""
+        served = self.served.get(tenant_of(request), 0.0)
+        return request.priority, served, request.arrival_seq, request.sample_index
 
-    def arrive(self, request: Request, weight: float, waiting: Iterable[Request], running: Iterable[Request]) -> None:
-        """``request`` is about to join ``waiting``; lift its tenant's counter if that tenant had none waiting."""
+    def arrive(
+        self,
+        request: Request,
+        weight: float,
+        waiting: Iterable[Request],
+        running: Iterable[Request],
+        in_flight: Mapping[str, float],
+    ) -> None:
+        """``request`` is about to join ``waiting``; lift its tenant's counter if that tenant had none waiting.
+        ``in_flight``: what the step in flight charged each tenant."""
         tenant = tenant_of(request)
         self.weights[tenant] = weight
         backlogged = {tenant_of(r) for r in waiting}
@@ -65,8 +80,13 @@ class FairShare:
             return
         others = (backlogged or {tenant_of(r) for r in running}) - {tenant}
         if others:
-            lifted = min(self.served.get(t, 0.0) for t in others)
+            lifted = min(self.served.get(t, 0.0) - in_flight.get(t, 0.0) for t in others)
             self.served[tenant] = max(self.served.get(tenant, 0.0), lifted)
+
+    def interrupt_floor(self, tenants: Iterable[str]) -> float:
+        """A tenant with a counter below this is owed service ahead of a step holding ``tenants``' work (the
+        other tenants in it); -inf when there are none."""
+        return min((self.served.get(t, 0.0) for t in tenants), default=-math.inf) - INTERRUPT_THRESHOLD
 
     def charge_cached(self, request: Request, num_cached: int) -> None:
         """A prefix hit of ``num_cached`` positions at admission (charged once per request)."""
@@ -75,20 +95,23 @@ class FairShare:
             request.num_charged_tokens = num_cached
             self._add(request, new * CACHED_COST)
 
-    def charge(self, request: Request, num_new: int) -> None:
-        """``num_new`` positions from ``request.num_computed_tokens`` on are scheduled this step."""
+    def charge(self, request: Request, num_new: int) -> float:
+        """``num_new`` positions from ``request.num_computed_tokens`` on are scheduled this step; returns what its
+        tenant's counter grew by."""
         start = max(request.num_computed_tokens, request.num_charged_tokens)
         end = request.num_computed_tokens + num_new
         if end <= start:
-            return
+            return 0.0
         request.num_charged_tokens = end
         prompt = max(0, min(end, request.num_prompt_tokens) - start)
         sampled = end == request.num_tokens  # the step that computes the last known position samples a token
-        self._add(request, prompt * PROMPT_COST + (OUTPUT_COST if sampled else 0.0))
+        return self._add(request, prompt * PROMPT_COST + (OUTPUT_COST if sampled else 0.0))
 
-    def _add(self, request: Request, cost: float) -> None:
+    def _add(self, request: Request, cost: float) -> float:
         tenant = tenant_of(request)
-        self.served[tenant] = self.served.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
+        weighted = cost / self.weights.get(tenant, 1.0)
+        self.served[tenant] = self.served.get(tenant, 0.0) + weighted
+        return weighted
 
     def snapshot(self, waiting: Iterable[Request], running: Iterable[Request]) -> dict[str, dict[str, float | int]]:
         """Per active tenant: its counter, weight, and running / waiting sequences (for stats and metrics)."""

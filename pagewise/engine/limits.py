@@ -13,6 +13,18 @@ from typing import Protocol
 from pagewise.engine.errors import InvalidRequestError, PromptTooLongError
 from pagewise.engine.sampling_params import SamplingParams, is_int
 
+MAX_PRIORITY = 1_000_000  # |priority| bound: vLLM's priorities are any integer; ours fit a key column
+# named classes a key may be limited to (its best): interactive work by default, batch work one class below
+PRIORITY_CLASSES = {"interactive": 0, "batch": 1}
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority class (vLLM's: lower runs first): an integer within ``MAX_PRIORITY``."""
+    if not is_int(priority) or abs(priority) > MAX_PRIORITY:  # type: ignore[arg-type]
+        bound = f"{MAX_PRIORITY:,}"
+        raise InvalidRequestError(f"priority must be an integer in [-{bound}, {bound}], got {priority!r}")
+    return priority  # type: ignore[return-value]
+
 
 class _Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...

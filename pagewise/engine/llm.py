@@ -12,6 +12,7 @@ from pagewise.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagewise.engine.beam_search import beam_search as _beam_search
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.limits import check_priority
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
 from pagewise.engine.loader import DEFAULT_MODEL
 from pagewise.engine.outputs import RequestOutput
@@ -43,19 +44,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant_id: str | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order. A prompt is a ``str`` or a list of token
-        ids. All prompts are validated before any is queued, so a bad one leaves the engine untouched. A request
-        failing inside the engine raises its ``RequestFailedError`` (a failed step, ``StepFailedError``) and
-        aborts the rest of the batch."""
+        ids; ``priority`` (vLLM's), one per prompt, lower first. All prompts are validated before any is queued,
+        so a bad one leaves the engine untouched. A request failing inside the engine raises its
+        ``RequestFailedError`` (a failed step, ``StepFailedError``) and aborts the rest of the batch."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
+        if priority is not None and len(priority) != len(batch):
+            raise InvalidRequestError(f"priority has {len(priority)} entries for {len(batch)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        for value in priorities:
+            check_priority(value)
         token_ids = [self.engine.process_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         try:
-            for request_id, prompt, tokens, p in zip(ids, batch, token_ids, params, strict=True):
+            for request_id, prompt, tokens, p, rank in zip(ids, batch, token_ids, params, priorities, strict=True):
                 text = prompt if isinstance(prompt, str) else None
-                self.engine.add_request(request_id, tokens, p, tenant_id, prompt_text=text)
+                self.engine.add_request(request_id, tokens, p, tenant_id, prompt_text=text, priority=rank)
             return self._run(ids, use_tqdm)
         finally:
             for request_id in ids:

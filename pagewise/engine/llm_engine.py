@@ -6,6 +6,14 @@ blocks are freed and its final output carries a ``RequestFailedError``. Batch-wi
 the forward pass) fails every request the step touched and ``step`` raises ``StepFailedError``; block accounting
 is verified afterwards, and if it does not add up ``check_accounting``'s ``RuntimeError`` escapes, chained to the
 original error (the engine cannot be trusted).
+
+Interruptible steps. Given a ``poll`` (which applies the messages that arrived), ``step`` checks between two layers
+whether a request arrived that is owed service ahead of the step (``Scheduler.schedule_interrupt``); if one is,
+the step is set aside (the one step ``in flight``, with its forward pass state), a short interrupting step runs
+whole and ``step`` returns its outputs; the next ``step`` resumes the paused one where it stopped. Invariants:
+at most one step is paused; nothing the paused step holds is preempted, swapped or freed until it completes — an
+abort of one of its requests waits for its end (``abort_request`` defers it); its requests' outputs are exactly
+what they would have been, as the interrupting step writes none of its KV slots and reads none it writes.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +39,9 @@ from pagewise.engine.gemm_selection import select_gemm_path
 from pagewise.engine.grammar_matcher import GrammarTokenizer, advance
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
-from pagewise.engine.limits import PromptLimits, prompt_token_ids
+from pagewise.engine.limits import PromptLimits, check_priority, prompt_token_ids
 from pagewise.engine.loader import cache_root, load_model
-from pagewise.engine.model_runner import KVCache, ModelRunner, profile_forward
+from pagewise.engine.model_runner import KVCache, ModelRunner, StepRun, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
 from pagewise.engine.outputs import RequestMetrics, RequestOutput, RequestUsage
 from pagewise.engine.request import Request, RequestStatus
@@ -47,6 +56,18 @@ from pagewise.engine.tokenizer import IncrementalDetokenizer
 PromptInput = str | Sequence[int]
 
 _logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """The step being run: its schedule, its forward pass so far, when it started, how often it was interrupted,
+    and how many requests had been added when it last looked for one owed an interrupt."""
+
+    step: SchedulerOutput
+    run: StepRun
+    started: float
+    checked_at_add: int
+    interrupts: int = 0
 
 
 class LLMEngine:
@@ -100,6 +121,12 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[Request, RequestGroup] = {}
         self._arrivals = itertools.count()
+        self._num_added = 0
+        self._in_flight: _InFlight | None = None
+        self._deferred_aborts: list[str] = []
+        self.steps_paused = 0
+        self.step_interrupts = 0
+        self.time_paused_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_blocks_in_use = 0
@@ -180,13 +207,16 @@ class LLMEngine:
         prompt_text: str | None = None,
         tenant_weight: float = 1.0,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. ``tenant_id`` salts its prefix-cache hashes and, with ``tenant_weight``, names its
         share under the ``fair`` scheduling policy. With ``delta``, ``step`` reports only what is new since the
         last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt. ``arrival_time``
-        (``time.monotonic()``, default now) is when the request arrived, for its queue time and latencies."""
+        (``time.monotonic()``, default now) is when the request arrived, for its queue time and latencies.
+        ``priority`` (vLLM's: lower runs first) is its class: better classes are scheduled first."""
         if not (isinstance(tenant_weight, int | float) and 0 < tenant_weight <= 1e6):
             raise InvalidRequestError(f"tenant_weight must be a number in (0, 1e6], got {tenant_weight!r}")
+        check_priority(priority)
         params = params or SamplingParams()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -203,6 +233,7 @@ class LLMEngine:
                 tenant_id,
                 group_id=request_id,
                 sample_index=index,
+                priority=priority,
             )
             if sample_params.seed is not None:
                 request.generator = torch.Generator(self.device).manual_seed(sample_params.seed)
@@ -223,12 +254,18 @@ class LLMEngine:
         for sample in samples:
             self._owner[sample.request] = group
         self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]], tenant_weight)
+        self._num_added += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
-        samples end with ``finish_reason="abort"``); unknown ids are ignored and return None."""
+        samples end with ``finish_reason="abort"``); unknown ids are ignored and return None. A request with a
+        sample in the step in flight is dropped when that step ends: its final output comes from that ``step``."""
         group = self._groups.get(request_id)
         if group is None:
+            return None
+        flight = self._in_flight
+        if flight is not None and any(s.request in flight.step.scheduled for s in group.samples):
+            self._deferred_aborts.append(request_id)
             return None
         self._end(group, "abort")
         return group.output()
@@ -243,11 +280,40 @@ class LLMEngine:
 
     # ---- one step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, poll: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that made progress or failed.
 
-        Raises ``StepFailedError`` (engine consistent, the step's requests failed) when batch-wide work fails.
+        With ``poll`` (applies the messages that arrived) and ``enable_step_interrupts``, the step may pause
+        between two layers for an interrupting step: this call then reports that step, and the next call resumes
+        the paused one (see the module's docstring). Raises ``StepFailedError`` (engine consistent, the step's
+        requests failed) when batch-wide work fails.
         """
+        flight = self._in_flight
+        if flight is None:
+            flight = self._start_step()
+            if flight is None:
+                return []
+        try:
+            while not flight.run.done:
+                flight.run.run_layer()
+                if not flight.run.done and self._may_interrupt(flight, poll):
+                    interrupting = self._interrupt(flight)
+                    if interrupting is not None:
+                        return interrupting
+            samples = self.runner.finish(flight.run)
+        except Exception as error:
+            self._in_flight, self._deferred_aborts = None, []  # the step's groups fail, the aborted ones too
+            self.scheduler.complete(flight.step)
+            raise self._fail_step("the forward pass", error, self._touched(flight.step)) from error
+        self._in_flight = None
+        self.scheduler.complete(flight.step)
+        outputs = self._apply(flight.step, samples, flight.started)
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        aborted = [self.abort_request(request_id) for request_id in deferred]
+        return outputs + [output for output in aborted if output is not None]
+
+    def _start_step(self) -> _InFlight | None:
+        """Schedule the next step and start its forward pass; None if it has no work."""
         started = time.monotonic()
         try:
             step = self.scheduler.schedule()
@@ -255,12 +321,60 @@ class LLMEngine:
             self.kv.take_block_ops()  # the copies of a half-made schedule must never run
             raise self._fail_step("scheduling", error, [*self.scheduler.running, *self.scheduler.swapped]) from error
         if step.is_empty:  # it may still have preempted a request (that then preempted itself)
+            self.scheduler.complete(step)
             self.metrics.stepped(step, self._owner, started, started)
-            return []
+            return None
+        try:
+            run = self.runner.start(step)
+        except Exception as error:
+            self.scheduler.complete(step)
+            raise self._fail_step("the forward pass", error, self._touched(step)) from error
+        self._in_flight = _InFlight(step, run, started, self._num_added)
+        return self._in_flight
+
+    def _may_interrupt(self, flight: _InFlight, poll: Callable[[], None] | None) -> bool:
+        """Between two layers: apply what arrived (``poll``), then whether to look for an interrupting step —
+        interrupts are on, the step has not used up its interrupts, and (unless forced) a request was added since
+        the step last looked."""
+        config = self.config
+        if config.force_step_interrupts:
+            return True
+        if not config.enable_step_interrupts or flight.interrupts >= config.max_interrupts_per_step or poll is None:
+            return False
+        poll()
+        return flight.checked_at_add < self._num_added
+
+    def _interrupt(self, flight: _InFlight) -> list[RequestOutput] | None:
+        """Run a step for the requests owed service ahead of ``flight`` (which stays in flight, paused), and
+        report it; None (nothing run) if nobody owed one fits."""
+        flight.checked_at_add = self._num_added
+        paused_at = time.monotonic()
+        try:
+            step = self.scheduler.schedule_interrupt(
+                flight.step, self.config.interrupt_max_num_batched_tokens, anyone=self.config.force_step_interrupts
+            )
+        except Exception as error:  # the scheduler cannot be trusted: the paused step goes down with it
+            self.kv.take_block_ops()
+            self._in_flight, self._deferred_aborts = None, []
+            self.scheduler.complete(flight.step)
+            raise self._fail_step("scheduling", error, [*self.scheduler.running, *self.scheduler.swapped]) from error
+        if step.is_empty:
+            return None
+        self.steps_paused += flight.interrupts == 0
+        flight.interrupts += 1
+        self.step_interrupts += 1
         try:
             samples = self.runner.execute(step)
         except Exception as error:
             raise self._fail_step("the forward pass", error, self._touched(step)) from error
+        finally:
+            self.time_paused_s += time.monotonic() - paused_at
+        return self._apply(step, samples, paused_at)
+
+    def _apply(
+        self, step: SchedulerOutput, samples: dict[Request, SampleResult | Exception], started: float
+    ) -> list[RequestOutput]:
+        """Record a step that has run: its computed tokens, its samples; its requests' outputs."""
         self.metrics.stepped(step, self._owner, started, time.monotonic())
         failed: list[RequestOutput] = []
         for request, num_new in step.scheduled.items():
@@ -403,6 +517,9 @@ class LLMEngine:
             "prefix_cache_queries": s.stats.prefix_cache_queries,
             "prefix_cache_hits": s.stats.prefix_cache_hits,
             "scheduling_policy": self.config.scheduling_policy,
+            "steps_paused": self.steps_paused,
+            "step_interrupts": self.step_interrupts,
+            "step_time_paused_seconds": self.time_paused_s,
             "gemm_path": self.gemm.path.value,
             "gemm_path_source": self.gemm.source,
             "precision": self.precision.describe(),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagewise import kernels
 from pagewise.engine.kv_cache_manager import BlockOp
-from pagewise.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from pagewise.engine.models.llama import AttentionMetadata, ForwardPass, LlamaForCausalLM
 from pagewise.engine.request import Request
 from pagewise.engine.sampler import Sampler, SampleResult
 from pagewise.engine.scheduler import SchedulerOutput
@@ -80,6 +82,27 @@ class KVCache:
                 kernels.swap_blocks(host_v, dev_v, mapping)
 
 
+@dataclass(slots=True)
+class StepRun:
+    """A step's forward pass under way (None: the step computes no token, only forks) and the row each sampled
+    request reads its logits from."""
+
+    forward: ForwardPass | None
+    sample_rows: dict[Request, int]
+
+    @property
+    def done(self) -> bool:
+        return self.forward is None or self.forward.done
+
+    @property
+    def layers_done(self) -> int:
+        return 0 if self.forward is None else self.forward.next_layer
+
+    def run_layer(self) -> None:
+        assert self.forward is not None
+        self.forward.run_layer()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -95,14 +118,21 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[Request, SampleResult | Exception]:
-        """Run one step; returns a sample for every request whose tokens are all computed after this step (or
-        the exception that sampling its row raised)."""
+        """Run one step whole; returns a sample for every request whose tokens are all computed after this step
+        (or the exception that sampling its row raised)."""
+        run = self.start(step)
+        while not run.done:
+            run.run_layer()
+        return self.finish(run)
+
+    @torch.inference_mode()
+    def start(self, step: SchedulerOutput) -> StepRun:
+        """Run the step's block copies and embed its tokens: the rest runs a layer at a time (``StepRun``)."""
         self.kv_cache.run(step.block_ops)
         batch = [(r, n) for r, n in step.scheduled.items() if n > 0]
         if not batch:
-            return {}
+            return StepRun(None, {})
         input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
         sample_rows: dict[Request, int] = {}
         bs = self.block_size
@@ -129,16 +159,22 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
-        hidden = self.model(
+        forward = self.model.start(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache.layers,
             meta,
         )
-        if not sample_rows:
+        return StepRun(forward, sample_rows)
+
+    @torch.inference_mode()
+    def finish(self, run: StepRun) -> dict[Request, SampleResult | Exception]:
+        """Logits for the sampled rows and their samples (every layer of ``run`` must have run)."""
+        if run.forward is None or not run.sample_rows:
             return {}
-        requests = list(sample_rows)
-        rows = torch.tensor([sample_rows[r] for r in requests], dtype=torch.int64, device=dev)
+        hidden = run.forward.output()
+        requests = list(run.sample_rows)
+        rows = torch.tensor([run.sample_rows[r] for r in requests], dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return dict(zip(requests, self.sampler(logits, requests), strict=True))
 

@@ -36,6 +36,7 @@ class Request:
     tenant_id: str | None = None
     group_id: str = ""
     sample_index: int = 0
+    priority: int = 0  # vLLM's meaning: lower runs first
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

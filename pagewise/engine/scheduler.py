@@ -14,7 +14,20 @@ Two policies decide the order:
   requests in arrival order; the victim is the newest running request of the most-served tenant. So a tenant's
   flood of long prompts cannot hold the budget while another tenant waits for its first token. While two or more
   tenants have had work within ``fair_share.RECENT_STEPS`` steps, a step's budget is the shared one
-  (``shared_max_num_batched_tokens``): a tenant that arrives waits for a shorter step in flight.
+  (``shared_max_num_batched_tokens``, by default the full one).
+
+Priorities (vLLM's ``priority``: an integer, lower runs first) come before either policy: a request of a better
+class is scheduled first and a request of the worst class running is the first victim; the policy orders requests
+within a class.
+
+**Interrupting steps.** While a step is paused between two layers (``LLMEngine``), ``schedule_interrupt`` may plan
+one short step for the requests owed service ahead of it: requests of a strictly better class than every request
+in the paused step, or, under ``fair``, requests of a tenant whose counter is more than
+``fair_share.INTERRUPT_THRESHOLD`` below every other tenant's in it (so a flood's own arrivals never interrupt
+it). The interrupting step never touches the paused step: it uses only requests not in it (nor in its requests'
+groups), never preempts, swaps or forks into anything the paused step holds, and takes blocks only from the free
+pool — so no slot the paused step writes is read or written by it. (A block the paused step writes is never a
+prefix-cache hit: full blocks are registered only after their step has finished.)
 """
 
 from __future__ import annotations
@@ -39,7 +52,7 @@ class SchedulerOutput:
     sample_sources: dict[Request, Request] = field(default_factory=dict)
     block_ops: list[BlockOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
+    charges: dict[str, float] = field(default_factory=dict)  # fair: each tenant's cost of this step
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.scheduled.values())
@@ -59,6 +72,14 @@ class SchedulerStats:
 
 def _order(request: Request) -> tuple[int, int]:
     return request.arrival_seq, request.sample_index
+
+
+def _to_compute(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens
+
+
+def _class_order(request: Request) -> tuple[int, int, int]:
+    return request.priority, request.arrival_seq, request.sample_index
 
 
 class Scheduler:
@@ -88,6 +109,8 @@ class Scheduler:
         )
         self._budget = 0
         self._step = 0
+        self._may_preempt = True
+        self.in_flight: SchedulerOutput | None = None  # the latest step, until `complete` says it has run
 
     def add_request(
         self, leader: Request, followers: list[Request] | None = None, tenant_weight: float = 1.0
@@ -95,7 +118,8 @@ class Scheduler:
         """Queue a request; ``followers`` (samples 1..n-1) fork from it when its prefill completes.
         ``tenant_weight`` is the share its tenant gets under the ``fair`` policy (the latest request's wins)."""
         if self.fair is not None:
-            self.fair.arrive(leader, tenant_weight, self.waiting, self.running)
+            charges = self.in_flight.charges if self.in_flight is not None else {}
+            self.fair.arrive(leader, tenant_weight, self.waiting, self.running, charges)
         self.waiting.append(leader)
         if followers:
             self.pending_forks[leader] = followers
@@ -106,11 +130,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped) + pending
 
     def schedule(self) -> SchedulerOutput:
+        """The next step; it stays ``in_flight`` until ``complete``."""
+        assert self.in_flight is None, "the step in flight has not completed"
         out = SchedulerOutput()
         self._step += 1
         self._budget = self._step_budget()
         if self.fair is None:
-            preempted = self._schedule_running(out, list(self.running))
+            preempted = self._schedule_running(out, sorted(self.running, key=_class_order))
             if not preempted:
                 self._schedule_swapped(out)
             if not preempted and not self.swapped:
@@ -118,7 +144,64 @@ class Scheduler:
         else:
             self._schedule_fair(out)
         out.block_ops = self.kv.take_block_ops()
+        self.in_flight = out
         return out
+
+    def complete(self, step: SchedulerOutput) -> None:
+        """``step`` (the one in flight) has run: its charges are served."""
+        assert step is self.in_flight
+        self.in_flight = None
+
+    def schedule_interrupt(self, paused: SchedulerOutput, budget: int, *, anyone: bool = False) -> SchedulerOutput:
+        """A short step of at most ``budget`` tokens for the requests owed service ahead of ``paused`` (see the
+        module's docstring; ``anyone``: every request outside the paused step counts as owed, a test switch).
+        Empty when nobody is owed or nothing owed fits without preempting."""
+        out = SchedulerOutput()
+        owed = self._owed(paused, anyone)
+        if not owed:
+            return out
+        self._budget, self._may_preempt = budget, False
+        try:
+            key = self.fair.key if self.fair is not None else _class_order
+            self._schedule_running(out, sorted((r for r in owed if _to_compute(r) == 1), key=key))
+            while self._budget > 0:
+                heads: dict[str, Request] = {}  # each tenant's first waiting request, in queue order
+                for request in self.waiting:
+                    if request in owed:
+                        heads.setdefault(tenant_of(request), request)
+                prefills = [r for r in owed if r.status is RequestStatus.RUNNING and r not in out.scheduled]
+                ordered = sorted([r for r in prefills if _to_compute(r) > 1] + list(heads.values()), key=key)
+                if not ordered:
+                    break
+                request = ordered[0]
+                if request.status is RequestStatus.RUNNING:
+                    self._continue(out, request)
+                    if request not in out.scheduled:
+                        owed.remove(request)  # no block for it without preempting
+                elif not self._admit(out, request):
+                    break  # admissions go in order: a later one must not overtake the one that does not fit
+        finally:
+            self._may_preempt = True
+        out.block_ops = self.kv.take_block_ops()
+        return out
+
+    def _owed(self, paused: SchedulerOutput, anyone: bool) -> list[Request]:
+        """The waiting and running requests outside ``paused`` (and outside its requests' groups) owed a step."""
+        groups = {r.group_id for r in paused.scheduled}
+        pending = [r for r in (*self.waiting, *self.running) if r.group_id not in groups and r not in paused.scheduled]
+        if anyone or not paused.scheduled:
+            return pending
+        best_paused = min(r.priority for r in paused.scheduled)
+        owed = [r for r in pending if r.priority < best_paused]
+        if self.fair is not None:
+            fair, paused_tenants = self.fair, {tenant_of(r) for r in paused.scheduled}
+            floors = {t: fair.interrupt_floor(paused_tenants - {t}) for t in {tenant_of(r) for r in pending}}
+            owed += [
+                r
+                for r in pending
+                if r.priority == best_paused and fair.served.get(tenant_of(r), 0.0) < floors[tenant_of(r)]
+            ]
+        return owed
 
     def _step_budget(self) -> int:
         """The full budget, or under ``fair`` the shared one while two or more tenants have had work lately."""
@@ -141,12 +224,15 @@ class Scheduler:
 
     def _continue(self, out: SchedulerOutput, request: Request) -> bool:
         """Schedule a running request's next tokens, preempting victims until its blocks fit (it may be its own
-        victim); True if a preemption happened."""
+        victim; in an interrupting step nothing is preempted and the request is left out); True if a preemption
+        happened."""
         num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
         if num_new <= 0:  # a sample forked in this very step
             return False
         preempted = False
         while not self.kv.allocate_slots(request, num_new):
+            if not self._may_preempt:
+                return False
             victim = self._victim()
             self._preempt(victim, out)
             preempted = True
@@ -156,10 +242,13 @@ class Scheduler:
         return preempted
 
     def _victim(self) -> Request:
+        """The newest running request of the worst class (under ``fair``: of that class's most-served tenant)."""
+        worst = max(r.priority for r in self.running)
+        candidates = [r for r in self.running if r.priority == worst]
         if self.fair is None:
-            return self.running[-1]
-        heaviest = max(self.fair.served.get(tenant_of(r), 0.0) for r in self.running)
-        return next(r for r in reversed(self.running) if self.fair.served.get(tenant_of(r), 0.0) == heaviest)
+            return candidates[-1]
+        heaviest = max(self.fair.served.get(tenant_of(r), 0.0) for r in candidates)
+        return next(r for r in reversed(candidates) if self.fair.served.get(tenant_of(r), 0.0) == heaviest)
 
     def _schedule_fair(self, out: SchedulerOutput) -> None:
         """Decodes, then swapped requests, then prefill work (running chunks and admissions), each in fair order."""
@@ -201,8 +290,11 @@ class Scheduler:
                 self._add(out, request, num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        while self.waiting and self._budget > 0 and self._admit(out, self.waiting[0]):
-            pass
+        """Admit in queue order within the best class waiting."""
+        while self.waiting and self._budget > 0:
+            best = min(r.priority for r in self.waiting)
+            if not self._admit(out, next(r for r in self.waiting if r.priority == best)):
+                return
 
     def _admit(self, out: SchedulerOutput, request: Request) -> bool:
         """Start a waiting request (its prefix-cache hit, then as much of its prompt as the budget allows);
@@ -235,7 +327,9 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         if self.fair is not None:
-            self.fair.charge(request, num_new)
+            cost = self.fair.charge(request, num_new)
+            tenant = tenant_of(request)
+            out.charges[tenant] = out.charges.get(tenant, 0.0) + cost
         out.scheduled[request] = num_new
         self._budget -= num_new
         followers = self.pending_forks.get(request)

@@ -3,7 +3,9 @@ engine of this process, and the child process of ``core_process``. They differ o
 and where outputs go, which they pass in.
 
 Invariants:
-- Messages (adds, aborts) are applied between steps, in the order they were sent; never during a step.
+- Messages (adds, aborts) are applied in the order they were sent: between steps, and between two layers of a step
+  (the engine's ``poll``, so that an arrival owed service can interrupt the step; the engine defers an abort of a
+  request in the step to the step's end). A stop that arrives during a step ends the loop after it.
 - One turn: apply what arrived (waiting for it only when the engine has nothing to do), publish the final outputs
   that produced (aborts), step once if there is work, publish the step's outputs (with the stats as of then).
 - A failed step (``StepFailedError``) fails the requests it touched, and its outputs are published like any
@@ -40,6 +42,7 @@ class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
     tenant_weight: float
     arrival_time: float
     prompt_text: str | None
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, frozen=True):
@@ -59,9 +62,18 @@ def run_steps(engine: LLMEngine, take: TakeMessages, publish: Publish) -> StepFa
     """Turn until `take` says stop (returns None) or ``MAX_FAILED_STEPS`` steps in a row failed (returns the last
     failure)."""
     failed_steps = 0
+    stopping = False
+
+    def poll() -> None:
+        nonlocal stopping
+        arrived: list[RequestOutput] = []
+        stopping = stopping or not take(False, arrived)
+        if arrived:
+            publish(arrived)
+
     while True:
         outputs: list[RequestOutput] = []
-        if not take(not engine.has_unfinished_requests(), outputs):
+        if stopping or not take(not engine.has_unfinished_requests(), outputs):
             return None
         if outputs:  # aborts' final outputs go out now, not a step later
             publish(outputs)
@@ -69,7 +81,7 @@ def run_steps(engine: LLMEngine, take: TakeMessages, publish: Publish) -> StepFa
         failure = None
         if engine.has_unfinished_requests():
             try:
-                outputs.extend(engine.step())
+                outputs.extend(engine.step(None if stopping else poll))
             except StepFailedError as error:
                 failure = error
                 outputs.extend(error.outputs)
@@ -92,6 +104,7 @@ def add_request(engine: LLMEngine, add: AddRequest) -> Exception | None:
             prompt_text=add.prompt_text,
             tenant_weight=add.tenant_weight,
             arrival_time=add.arrival_time,
+            priority=add.priority,
         )
     except InvalidRequestError as error:
         return error

@@ -19,6 +19,7 @@ _POSITIVE_ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "fair_max_num_batched_tokens",
+    "interrupt_max_num_batched_tokens",
     "kv_cache_memory_bytes",
 )
 
@@ -43,6 +44,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: str | None = "fair"  # the server shares the engine fairly between tenants by default
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    enable_step_interrupts: bool | None = None
+    interrupt_max_num_batched_tokens: int | None = None
+    max_interrupts_per_step: int | None = None
     dtype: str | None = None
     gemm_path: str | None = None
     device: str | None = None

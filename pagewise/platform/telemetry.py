@@ -43,6 +43,9 @@ _ENGINE_COUNTERS = {
     "generation_tokens_total": "Tokens generated.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "steps_paused": "Steps paused between two layers for an interrupting step.",
+    "step_interrupts": "Interrupting steps run while another step was paused.",
+    "step_time_paused_seconds": "Seconds steps spent paused (the interrupting steps' time).",
 }
 _ENGINE_HISTOGRAMS = {
     "time_to_first_token_seconds": "Arrival in the engine to the first token sampled.",

@@ -173,6 +173,7 @@ class Execution:
             self.submit.tenant_id,  # the prefix-cache salt: it comes from the API key, never from the body
             usage=state.report,
             tenant_weight=self.submit.tenant_weight,
+            priority=self.submit.priority,
         )
         async with aclosing(stream) as outputs:
             async for output in outputs:

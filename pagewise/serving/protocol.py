@@ -164,7 +164,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     params: SamplingParams
     reservation: Reservation
     tenant_weight: float = 1.0
-    priority: int = 0
+    priority: int = 0  # vLLM's: lower runs first; the body's, never better than the key's class allows
     deadline: float | None = None
     traceparent: str | None = None
 

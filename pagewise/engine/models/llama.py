@@ -176,10 +176,20 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
-        return self.norm(hidden)
+        run = self.start(input_ids, positions, kv_caches, meta)
+        while not run.done:
+            run.run_layer()
+        return run.output()
+
+    def start(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> ForwardPass:
+        """The forward pass over these tokens, embedded and ready to run a layer at a time."""
+        return ForwardPass(self, positions, kv_caches, meta, self.embed_tokens(input_ids))
 
     def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
         """Run every projection, the LM head included, on ``path`` in ``compute_dtype`` (see
@@ -236,6 +246,41 @@ class LlamaForCausalLM(nn.Module):
         }
         if missing:
             raise ValueError(f"weights missing for: {sorted(missing)[:5]}")
+
+
+@dataclass(slots=True)
+class ForwardPass:
+    """One forward pass, run a layer at a time so that it can be set aside between two layers and resumed later.
+
+    Invariants: everything the pass carries from one layer to the next is ``hidden`` (the residual stream) and
+    ``next_layer``; layer ``i`` reads and writes only the KV slots of ``meta`` in layer ``i``'s cache, so work run
+    while the pass is set aside changes nothing it computes as long as it touches none of those slots. Running
+    every layer gives exactly ``LlamaForCausalLM.forward``'s result (which is this loop).
+    """
+
+    model: LlamaForCausalLM
+    positions: torch.Tensor
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    meta: AttentionMetadata
+    hidden: torch.Tensor
+    next_layer: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next_layer == len(self.model.layers)
+
+    @torch.inference_mode()
+    def run_layer(self) -> None:
+        layer = self.model.layers[self.next_layer]
+        kv_cache = self.kv_caches[self.next_layer]
+        self.hidden = layer(self.hidden, self.model.rotary, self.positions, kv_cache, self.meta)
+        self.next_layer += 1
+
+    @torch.inference_mode()
+    def output(self) -> torch.Tensor:
+        """The final normed hidden states (every layer must have run)."""
+        assert self.done, f"the pass stopped at layer {self.next_layer}"
+        return self.model.norm(self.hidden)
 
 
 @contextmanager

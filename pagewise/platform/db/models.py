@@ -64,7 +64,8 @@ class Tenant(Base):
 class ApiKey(Base):
     """An API key. Only `prefix` and the SHA-256 of the secret are stored; the key itself is shown once.
 
-    Its limits (`None`: none of its own) apply on top of its tenant's; `allowed_models` `None` allows every model.
+    Its limits (`None`: none of its own) apply on top of its tenant's; `allowed_models` `None` allows every model;
+    `priority_class` (`None`: any) is the best priority class its requests may run at (`PRIORITY_CLASSES`).
     """
 
     __tablename__ = "api_keys"
@@ -84,6 +85,7 @@ class ApiKey(Base):
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     monthly_spend_budget_micros: Mapped[int | None] = mapped_column(BigInteger)
     allowed_models: Mapped[list[Any] | None]
+    priority_class: Mapped[str | None] = mapped_column(String(16))
     # the first key of this key's rotations (None: this key is the first): its monthly budget counters, which
     # every key of the lineage shares, are kept and rebuilt under that id (`budget_scope_id`)
     budget_key_id: Mapped[str | None] = mapped_column(String(40), index=True)

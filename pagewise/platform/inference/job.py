@@ -153,6 +153,7 @@ class InferenceJob:
             params=prepared.params,
             reservation=reservation,
             tenant_weight=principal.weight,
+            priority=prepared.priority,
             # an engine taking it later than its row's lease would run work nobody waits for: the orphan sweep
             # fails such a row, and the reservation's lease has run out with it
             deadline=lease.timestamp(),

@@ -58,6 +58,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     tools: ToolPlan | None = None  # a chat request's offered functions (`inference/tools.py`)
+    priority: int = 0  # the engine's class for it: the body's, never better than the key's class allows
 
     @property
     def num_sequences(self) -> int:
@@ -123,6 +124,7 @@ async def prepare_chat(
         body.stream,
         _include_usage(body),
         tools,
+        _priority(body, principal),
     )
 
 
@@ -160,8 +162,20 @@ async def prepare_completion(
         logprobs=body.logprobs,
     )
     return PreparedRequest(
-        "completions", body.model, {"prompt": body.prompt}, prompts, params, body.stream, _include_usage(body)
+        "completions",
+        body.model,
+        {"prompt": body.prompt},
+        prompts,
+        params,
+        body.stream,
+        _include_usage(body),
+        priority=_priority(body, principal),
     )
+
+
+def _priority(body: _SamplingFields, principal: Principal) -> int:
+    """vLLM's `priority` (lower runs first), lowered to the key's class when it asks for better."""
+    return max(body.priority, principal.priority_floor)
 
 
 async def _tokenize(work: int, encode: Callable[..., T], *args: Any) -> T:

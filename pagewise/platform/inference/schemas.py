@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from pagewise.engine.limits import MAX_PRIORITY
+
 _INT32 = 2**31 - 1
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=_INT32)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
@@ -135,6 +137,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):

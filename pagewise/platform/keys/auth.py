@@ -19,6 +19,7 @@ from litestar.middleware import AbstractAuthenticationMiddleware, Authentication
 from litestar.types import Guard
 from sqlalchemy import Connection, Row, bindparam, select, update
 
+from pagewise.engine.limits import PRIORITY_CLASSES
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.models import ApiKey, Tenant, as_utc, utcnow
 from pagewise.platform.errors import APIError
@@ -40,7 +41,8 @@ UNGUARDED_PATHS = PUBLIC_PATHS + SELF_AUTHENTICATED_PATHS  # what the key middle
 
 class Principal(msgspec.Struct, frozen=True):
     """Who is calling: the key, its scopes and a snapshot of its tenant's limits and scheduling weight, and of
-    the key's own limits (`key_quota`, `None` when it has none) and `allowed_models` (`None`: every model)."""
+    the key's own limits (`key_quota`, `None` when it has none), `allowed_models` (`None`: every model) and the
+    best priority its requests may run at (`priority_floor`, from the key's `priority_class`)."""
 
     key_id: str
     tenant_id: str
@@ -52,6 +54,7 @@ class Principal(msgspec.Struct, frozen=True):
     weight: float
     key_quota: KeyQuota | None = None
     allowed_models: tuple[str, ...] | None = None
+    priority_floor: int = 0
 
 
 _KEYS, _TENANTS = ApiKey.__table__, Tenant.__table__
@@ -150,6 +153,7 @@ def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
         weight=row.tenant_weight,
         key_quota=key_quota(row),
         allowed_models=None if row.allowed_models is None else tuple(row.allowed_models),
+        priority_floor=PRIORITY_CLASSES.get(row.priority_class or "", 0),
     )
 
 

@@ -3,7 +3,8 @@
 Request bodies reject unknown fields. A key's `status` is derived, never stored: `revoked` once `revoked_at`
 is set, else `expired` once `expires_at` has passed, else `active` — the same rule `authenticate` applies.
 A key's limits (`KeyLimits`, declared once here) apply on top of its tenant's; `null` means none of its own,
-and `allowed_models` `null` allows every model.
+`allowed_models` `null` allows every model, and `priority_class` (`interactive`, `batch`; `null`: any) is the best
+priority class its requests run at: a request asking for a better `priority` runs at the class's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ MAX_GRACE_PERIOD_S = 7 * 86400
 GracePeriod = Annotated[int, msgspec.Meta(ge=0, le=MAX_GRACE_PERIOD_S)]
 MAX_ALLOWED_MODELS = 100
 AllowedModels = Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_ALLOWED_MODELS)]
+PriorityClass = Literal["interactive", "batch"]  # the names of `pagewise.engine.limits.PRIORITY_CLASSES`
 
 
 class KeyLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +36,7 @@ class KeyLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     monthly_token_budget: TokenBudget | None = None
     monthly_spend_budget_micros: SpendBudget | None = None
     allowed_models: AllowedModels | None = None
+    priority_class: PriorityClass | None = None
 
 
 KEY_LIMIT_FIELDS = KeyLimits.__struct_fields__
@@ -55,6 +58,7 @@ class KeyUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     monthly_token_budget: TokenBudget | None | UnsetType = UNSET
     monthly_spend_budget_micros: SpendBudget | None | UnsetType = UNSET
     allowed_models: AllowedModels | None | UnsetType = UNSET
+    priority_class: PriorityClass | None | UnsetType = UNSET
 
 
 class KeyRotate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +83,7 @@ class KeyOut(msgspec.Struct, kw_only=True):
     monthly_token_budget: int | None
     monthly_spend_budget_micros: int | None
     allowed_models: list[str] | None
+    priority_class: str | None
 
 
 class KeyCreated(KeyOut, kw_only=True):

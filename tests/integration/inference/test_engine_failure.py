@@ -83,7 +83,7 @@ async def dying_platform(database_url: str) -> AsyncIterator[tuple[httpx.AsyncCl
     def broken(*_: object) -> None:
         raise RuntimeError("the device fell off the bus")
 
-    engine.engine.runner.execute = broken
+    engine.engine.runner.start = broken
     admin_key = generate_key().key
     settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=admin_key)
     app = create_app(settings, engine=engine, quotas=InProcessQuotaStore())
@@ -130,7 +130,7 @@ def test_serve_exits_with_status_3_when_its_engine_dies(tmp_path: Path) -> None:
             def broken(self, step):
                 raise RuntimeError("injected by the test")
 
-            ModelRunner.execute = broken
+            ModelRunner.start = broken
             sys.exit(main(["serve", *sys.argv[1:]]))
             """
         )

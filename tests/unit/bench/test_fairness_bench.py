@@ -10,12 +10,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-PHASES = {"solo": "fair", "flooded_fair": "fair", "solo_fcfs": "fcfs", "flooded_fcfs": "fcfs"}
+# phase -> (policy, step interrupts, flood priority)
+PHASES = {
+    "solo": ("fair", True, 0),
+    "flooded_fair": ("fair", True, 0),
+    "solo_fcfs": ("fcfs", True, 0),
+    "flooded_fcfs": ("fcfs", True, 0),
+    "flooded_priority": ("fcfs", True, 1),
+    "flooded_fair_no_interrupts": ("fair", False, 0),
+}
 RATIOS = (
     "ttft_p99_ratio_fcfs",
     "ttft_p99_ratio_fair",
+    "ttft_p99_ratio_fair_no_interrupts",
+    "ttft_p99_ratio_priority",
     "throughput_ratio",
     "processed_throughput_ratio",
+    "processed_throughput_ratio_no_interrupts",
     "solo_ttft_p99_ratio_fcfs_to_fair",
 )
 
@@ -30,12 +41,17 @@ def test_bench_fairness_quick_json() -> None:
 
     assert set(result["phases"]) == set(PHASES)
     for name, phase in result["phases"].items():
-        assert (phase["policy"], phase["flooded"]) == (PHASES[name], name.startswith("flooded"))
+        policy, interrupts, priority = PHASES[name]
+        assert (phase["policy"], phase["step_interrupts"], phase["flood_priority"]) == (policy, interrupts, priority)
+        assert phase["flooded"] == name.startswith("flooded")
+        assert phase["interrupts_per_s"] >= 0
         assert phase["quiet_requests"] > 0
         ttft = [phase[f"quiet_ttft_p{q}_ms"] for q in (50, 90, 99)]
         assert 0 < ttft[0] <= ttft[1] <= ttft[2] <= phase["quiet_ttft_max_ms"], (name, ttft)
         if phase["flooded"]:
             assert phase["flood_output_tokens_per_s"] > 0
+            if phase["flood_requests_finished"]:
+                assert 0 < phase["flood_tpot_p50_ms"] <= phase["flood_tpot_p99_ms"], name
         else:  # a flooded quiet request may get its tokens only after the window; a solo one does not
             assert phase["quiet_output_tokens_per_s"] > 0
             assert phase["flood_output_tokens_per_s"] == phase["flood_requests_finished"] == 0
@@ -52,4 +68,7 @@ def test_bench_fairness_quick_json() -> None:
     assert set(result["served"]["fair"]) == {"flood", "quiet"}
     assert all(served > 0 for served in result["served"]["fair"].values())
     assert result["served"]["fcfs"] == {}
+    assert set(result["flood_tpot_p99_ms"]) == {"interrupts", "no_interrupts"}
+    assert result["phases"]["flooded_fair_no_interrupts"]["interrupts_per_s"] == 0  # none without interrupts
+    assert result["phases"]["flooded_fcfs"]["interrupts_per_s"] == 0  # one class, FCFS: nobody is owed
     assert isinstance(result["meets_targets"], bool)

@@ -144,7 +144,7 @@ def test_an_unexpected_error_in_add_fails_only_that_request(engine, expected, mo
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine, expected, monkeypatch) -> None:
     runner = engine.engine.runner
-    inner = runner.execute
+    inner = runner.start
     armed = threading.Event()
 
     def flaky(step):
@@ -153,7 +153,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine, e
             raise RuntimeError("device lost")
         return inner(step)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "start", flaky)
 
     async def main():
         usages = [Future(), Future()]
@@ -186,7 +186,7 @@ def test_repeated_step_failures_kill_the_engine(config, monkeypatch) -> None:
     def broken(step):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.engine.runner, "start", broken)
 
     async def main():
         failures = [await failure_of(engine, p) for p in PROMPTS]  # each one step; the third is the last

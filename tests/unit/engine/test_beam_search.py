@@ -206,20 +206,20 @@ def test_each_step_hits_its_parents_blocks_and_shares_prefix_blocks(eos_model) -
     engine = llm.engine
     submitted: list[list[int]] = []
     in_use: list[tuple[int, int]] = []  # (blocks in use, blocks expected) per engine step
-    add_request, execute = engine.add_request, engine.runner.execute
+    add_request, start = engine.add_request, engine.runner.start
 
     def recording_add_request(request_id, prompt, params=None, tenant_id=None, **kwargs):
         submitted.append(list(prompt))
         return add_request(request_id, prompt, params, tenant_id, **kwargs)
 
-    def checking_execute(step):
+    def checking_start(step):
         prompts = [r.prompt_token_ids for r in step.scheduled]
         prefixes = {tuple(p[: BLOCK * (j + 1)]) for p in prompts for j in range((len(p) - 1) // BLOCK)}
         in_use.append((engine.num_blocks - engine.pool.num_free, len(prefixes) + len(prompts)))
-        return execute(step)
+        return start(step)
 
     engine.add_request = recording_add_request
-    engine.runner.execute = checking_execute
+    engine.runner.start = checking_start
     k, prompt = 4, PROMPTS[3]
     (output,) = llm.beam_search(prompt, BeamSearchParams(k, MAX_TOKENS, ignore_eos=True), tenant_id="t1")
     assert len(output.sequences) == k
@@ -235,7 +235,7 @@ def test_each_step_hits_its_parents_blocks_and_shares_prefix_blocks(eos_model) -
     assert all(used == want for used, want in in_use), in_use
     assert_all_blocks_free(llm)
     # same tenant again: the prompt's full blocks are still cached; another tenant misses them
-    engine.add_request, engine.runner.execute = add_request, execute
+    engine.add_request, engine.runner.start = add_request, start
     llm.beam_search(prompt, BeamSearchParams(k, 1, ignore_eos=True), tenant_id="t1")
     assert llm.stats()["prefix_cache_hits"] == expected_hits + BLOCK * ((len(prompt) - 1) // BLOCK)
     llm.beam_search(prompt, BeamSearchParams(k, 1, ignore_eos=True), tenant_id="t2")

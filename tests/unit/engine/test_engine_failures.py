@@ -65,7 +65,7 @@ def assert_accounted(engine) -> None:
     assert engine.pool.num_free + in_use == engine.num_blocks
 
 
-@pytest.mark.parametrize(("target", "what"), [("runner.execute", "the forward pass"),
+@pytest.mark.parametrize(("target", "what"), [("runner.start", "the forward pass"),
                                                ("scheduler.schedule", "scheduling")])
 def test_a_failed_step_fails_only_its_requests(make_llm, expected, monkeypatch, target, what) -> None:
     llm = make_llm(max_num_seqs=2)
@@ -106,7 +106,7 @@ def test_a_failed_step_fails_the_requests_it_swapped_out(make_llm, monkeypatch) 
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"r{i}", _prompt(8, 10 + i), long)
-    real = engine.runner.execute
+    real = engine.runner.start
     seen = {}
 
     def fail_on_swap_out(step):
@@ -115,7 +115,7 @@ def test_a_failed_step_fails_the_requests_it_swapped_out(make_llm, monkeypatch) 
             raise RuntimeError("device lost")
         return real(step)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_on_swap_out)
+    monkeypatch.setattr(engine.runner, "start", fail_on_swap_out)
     with pytest.raises(StepFailedError) as info:
         while engine.has_unfinished_requests():
             engine.step()
@@ -124,7 +124,7 @@ def test_a_failed_step_fails_the_requests_it_swapped_out(make_llm, monkeypatch) 
     assert not engine.scheduler.swapped
     assert len(engine.kv.swap.free_slots) == engine.kv.swap.num_slots
     assert_accounted(engine)
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.setattr(engine.runner, "start", real)
     survivors = run_all(engine)
     assert set(survivors) == {f"r{i}" for i in range(4)} - failed
     assert all(len(t) == 30 for t in survivors.values())

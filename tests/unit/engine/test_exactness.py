@@ -136,3 +136,37 @@ def test_greedy_matches_hf_on_every_gemm_path(oracle, variant: str, gemm_path: G
     llm = LLM(str(path), block_size=BLOCK, gemm_path=gemm_path.value, progress=False, dtype="float32")
     assert llm.stats()["gemm_path"] == gemm_path.value
     assert greedy(llm, prompts()) == expected
+
+
+@pytest.mark.parametrize(
+    ("policy", "preemption_mode"), [("fcfs", "recompute"), ("fair", "swap"), ("fair", "recompute")]
+)
+def test_greedy_matches_hf_with_interrupts_at_every_layer(oracle, policy: str, preemption_mode: str) -> None:
+    """Every step is paused at every layer for an interrupting step of whatever is outside it (the test switch),
+    under chunked prefill (16-token steps), memory pressure (preemption by swap or recompute) and, on a second
+    pass over the same prompts, prefix-cache hits: every output still equals HF's."""
+    path, model, expected = oracle("llama-gqa")
+    cfg = model.config
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+        torch.float32,
+    )
+    llm = LLM(
+        str(path), block_size=BLOCK, kv_cache_memory_bytes=20 * per_block, scheduling_policy=policy,
+        preemption_mode=preemption_mode, max_num_batched_tokens=16, force_step_interrupts=True,
+        interrupt_max_num_batched_tokens=4, progress=False, dtype="float32",
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts()):
+            engine.add_request(f"{round_}-{i}", prompt, params, tenant_id=f"t{i % 2}")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert [outputs[f"{round_}-{i}"] for i in range(len(expected))] == expected
+        assert_all_blocks_free(llm)
+    stats = llm.stats()
+    assert stats["step_interrupts"] > 0 and stats["steps_paused"] > 0
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0

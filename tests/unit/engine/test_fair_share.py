@@ -64,6 +64,7 @@ class Sim:
 
     def step(self) -> dict[Request, int]:
         out = self.scheduler.schedule()
+        self.scheduler.complete(out)
         for request, num_new in out.scheduled.items():
             request.num_computed_tokens += num_new
             self.served[request.tenant_id] += num_new
@@ -183,6 +184,7 @@ def test_preemption_takes_the_most_served_tenants_newest_request() -> None:
     preempted = []
     for _ in range(40):
         out = sim.scheduler.schedule()
+        sim.scheduler.complete(out)
         preempted += [r.tenant_id for r in out.preempted]
         for request, num_new in out.scheduled.items():
             request.num_computed_tokens += num_new

@@ -180,10 +180,10 @@ def test_usage_future_when_the_consumer_leaves_before_the_engine_saw_it(engine, 
     inner = engine.engine.step
     entered, gate = threading.Event(), threading.Event()
 
-    def held_step():
+    def held_step(poll=None):
         entered.set()
         gate.wait(10)
-        return inner()
+        return inner(poll)
 
     async def main():
         blocker = engine.generate(_prompt(5, 22), LONG)
@@ -215,8 +215,8 @@ def test_usage_future_of_a_chunked_prefill_aborted_midway(engine, monkeypatch) -
     inner = engine.engine.step
     steps = []
 
-    def counting_step():
-        outputs = inner()
+    def counting_step(poll=None):
+        outputs = inner(poll)
         steps.append(len(outputs))
         if len(steps) == 2:
             engine.abort("chunky")  # processed before the third chunk

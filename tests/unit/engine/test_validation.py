@@ -362,6 +362,8 @@ def test_kv_budget_too_small_for_one_block(model_path, per_block) -> None:
         (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
         (dict(fair_max_num_batched_tokens=0), "fair_max_num_batched_tokens must be >= 1"),
+        (dict(interrupt_max_num_batched_tokens=0), "interrupt_max_num_batched_tokens must be >= 1"),
+        (dict(max_interrupts_per_step=-1), "max_interrupts_per_step must be >= 0"),
         (dict(max_model_len=1), "max_model_len must be >= 2"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be > 0"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in \\(0, 1\\]"),
@@ -394,9 +396,10 @@ def test_max_model_len_beyond_model_context(model_path) -> None:
         LLM(model_path, max_model_len=1024, kv_cache_memory_bytes=1 << 20, progress=False, dtype="float32")
 
 
-def test_the_shared_budget_defaults_to_1024_on_cpu_and_never_exceeds_the_budget() -> None:
-    assert EngineConfig().resolve_fair_max_num_batched_tokens(2048, 1024) == 1024
+def test_the_shared_budget_defaults_to_the_full_budget_and_never_exceeds_it() -> None:
+    assert EngineConfig().resolve_fair_max_num_batched_tokens(2048, 1024) == 2048
     assert EngineConfig().resolve_fair_max_num_batched_tokens(256, 1024) == 256
+    assert EngineConfig(fair_max_num_batched_tokens=1024).resolve_fair_max_num_batched_tokens(2048, 1024) == 1024
     assert (
         EngineConfig(fair_max_num_batched_tokens=4096, dtype="float32").resolve_fair_max_num_batched_tokens(2048, 1024)
         == 2048
