@@ -12,8 +12,9 @@ Invariants:
   share is never banked into a burst that would starve the others; a tenant alone takes the whole engine (the
   policy is work-conserving: counters only order the work, they never idle the engine). The counters it is lifted
   to leave out what the step in flight charged (work scheduled, not yet served: VTC counts tokens as they are
-  served), so a tenant arriving during a long step of another is owed service ahead of that step by about its
-  cost — what lets it interrupt the step (``interrupt_floor``).
+  served), and it lands ``INTERRUPT_THRESHOLD`` below the least of them: a tenant that just became backlogged is
+  owed service ahead of the others (``interrupt_floor``) — ahead of a long step in flight, by about its cost too —
+  which lets its first request cut in; the head start is at most ``INTERRUPT_THRESHOLD`` per backlog.
 - Over any interval in which two tenants stay backlogged, their counters differ by at most what the requests one
   of them already runs can still cost, plus one step's charge (``test_fair_share`` states and checks the bound).
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pagewise.engine.request import Request
 
-INTERRUPT_THRESHOLD = 64.0  # how far (weighted tokens) below a paused step's tenants a tenant must be to interrupt it
+INTERRUPT_THRESHOLD = 64.0  # how far (weighted tokens) below the other tenants a tenant must be to be owed service
 RECENT_STEPS = 32  # a tenant that had work within this many steps counts as sharing the engine
 PROMPT_COST = 1.0
 CACHED_COST = 0.1
@@ -80,12 +81,12 @@ class FairShare:
             return
         others = (backlogged or {tenant_of(r) for r in running}) - {tenant}
         if others:
-            lifted = min(self.served.get(t, 0.0) - in_flight.get(t, 0.0) for t in others)
+            lifted = min(self.served.get(t, 0.0) - in_flight.get(t, 0.0) for t in others) - INTERRUPT_THRESHOLD
             self.served[tenant] = max(self.served.get(tenant, 0.0), lifted)
 
     def interrupt_floor(self, tenants: Iterable[str]) -> float:
-        """A tenant with a counter below this is owed service ahead of a step holding ``tenants``' work (the
-        other tenants in it); -inf when there are none."""
+        """A tenant with a counter at or below this is owed service ahead of ``tenants``' work (the other tenants
+        in a step); -inf when there are none."""
         return min((self.served.get(t, 0.0) for t in tenants), default=-math.inf) - INTERRUPT_THRESHOLD
 
     def charge_cached(self, request: Request, num_cached: int) -> None:

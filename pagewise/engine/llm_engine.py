@@ -111,6 +111,7 @@ class LLMEngine:
             config.preemption_mode,
             config.scheduling_policy,
             fair_budget,
+            config.interrupt_max_num_batched_tokens if config.enable_step_interrupts else None,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sampler = Sampler(

@@ -27,13 +27,16 @@ in the paused step, or, under ``fair``, requests of a tenant whose counter is mo
 it). The interrupting step never touches the paused step: it uses only requests not in it (nor in its requests'
 groups), never preempts, swaps or forks into anything the paused step holds, and takes blocks only from the free
 pool — so no slot the paused step writes is read or written by it. (A block the paused step writes is never a
-prefix-cache hit: full blocks are registered only after their step has finished.)
+prefix-cache hit: full blocks are registered only after their step has finished.) By the same rule, a step
+scheduled while waiting requests are owed service ahead of the running ones admits them first and is kept short
+(``_step_budget``): an arrival that a step in flight could not see does not wait for a long step either.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagewise.engine.fair_share import FairShare, tenant_of
@@ -92,6 +95,7 @@ class Scheduler:
         preemption_mode: str,
         policy: str = "fcfs",
         shared_max_num_batched_tokens: int | None = None,
+        interrupt_budget: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -107,6 +111,7 @@ class Scheduler:
         self.shared_max_num_batched_tokens = min(
             shared_max_num_batched_tokens or max_num_batched_tokens, max_num_batched_tokens
         )
+        self.interrupt_budget = interrupt_budget  # None: steps are never kept short for a request owed service
         self._budget = 0
         self._step = 0
         self._may_preempt = True
@@ -134,7 +139,11 @@ class Scheduler:
         assert self.in_flight is None, "the step in flight has not completed"
         out = SchedulerOutput()
         self._step += 1
-        self._budget = self._step_budget()
+        owed = self._owed_waiting()
+        self._budget = self._step_budget(bool(owed))
+        for request in owed:  # admitted first: the step is short for them (`_step_budget`)
+            if not self._admit(out, request):
+                break
         if self.fair is None:
             preempted = self._schedule_running(out, sorted(self.running, key=_class_order))
             if not preempted:
@@ -191,20 +200,42 @@ class Scheduler:
         pending = [r for r in (*self.waiting, *self.running) if r.group_id not in groups and r not in paused.scheduled]
         if anyone or not paused.scheduled:
             return pending
-        best_paused = min(r.priority for r in paused.scheduled)
-        owed = [r for r in pending if r.priority < best_paused]
-        if self.fair is not None:
-            fair, paused_tenants = self.fair, {tenant_of(r) for r in paused.scheduled}
-            floors = {t: fair.interrupt_floor(paused_tenants - {t}) for t in {tenant_of(r) for r in pending}}
-            owed += [
-                r
-                for r in pending
-                if r.priority == best_paused and fair.served.get(tenant_of(r), 0.0) < floors[tenant_of(r)]
-            ]
+        return list(filter(self._owed_test(paused.scheduled), pending))
+
+    def _owed_test(self, busy: Iterable[Request]) -> Callable[[Request], bool]:
+        """Whether a request is owed service ahead of the ``busy`` requests: it is of a strictly better class than
+        the worst of them, or (``fair``) of that class with its tenant at or below the interrupt floor of the other
+        tenants among them."""
+        busy = list(busy)
+        worst = max(r.priority for r in busy)
+        tenants = {tenant_of(r) for r in busy if r.priority == worst}
+        fair, floors = self.fair, {}
+
+        def owed(request: Request) -> bool:
+            if request.priority < worst:
+                return True
+            if fair is None or request.priority > worst:
+                return False
+            tenant = tenant_of(request)
+            if tenant not in floors:
+                floors[tenant] = fair.interrupt_floor(tenants - {tenant})
+            return fair.served.get(tenant, 0.0) <= floors[tenant]
+
         return owed
 
-    def _step_budget(self) -> int:
-        """The full budget, or under ``fair`` the shared one while two or more tenants have had work lately."""
+    def _owed_waiting(self) -> list[Request]:
+        """With interrupts on, the waiting requests owed service ahead of the running ones, in queue order."""
+        if self.interrupt_budget is None or not self.running or not self.waiting:
+            return []
+        return list(filter(self._owed_test(self.running), self.waiting))
+
+    def _step_budget(self, owed: bool) -> int:
+        """A short budget (``interrupt_budget`` plus a token per running request) when a waiting request is ``owed``
+        service ahead of the running ones, so that its first token does not wait for a long step; else the full
+        budget, or under ``fair`` the shared one while two or more tenants have had work lately."""
+        if owed:
+            assert self.interrupt_budget is not None
+            return min(self.max_num_batched_tokens, self.interrupt_budget + len(self.running))
         if self.fair is None or self.shared_max_num_batched_tokens == self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         tenants = {tenant_of(r) for queue in (self.running, self.waiting, self.swapped) for r in queue}
