@@ -32,7 +32,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
         help="run every step whole: no request owed service (a better priority, a far less served tenant) may "
-        "pause a step between two layers",
+        "pause a step between two parts of a layer (its attention, its MLP in 512-row parts)",
     )
     group.add_argument("--interrupt-max-num-batched-tokens", type=int, help="an interrupting step's budget (256)")
     group.add_argument("--max-interrupts-per-step", type=int, help="interrupting steps per paused step (4)")

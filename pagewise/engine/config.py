@@ -45,7 +45,7 @@ class EngineConfig:
     - ``fair_max_num_batched_tokens``: under the ``fair`` policy, the step's budget while two or more tenants
       have had work within the last ``RECENT_STEPS`` steps (a tenant alone keeps the full budget): shorter steps
       while tenants share. ``None`` = the full budget: step interrupts (below) let an arrival owed service cut in
-      between two layers, so sharing needs no shorter steps (docs/benchmarks.md).
+      between two parts of a layer, so sharing needs no shorter steps (docs/benchmarks.md).
     - ``kv_cache_memory_bytes``: KV budget for all layers; default 2 GiB on CPU. On CUDA the default is what
       ``gpu_memory_utilization`` leaves for it.
     - ``gpu_memory_utilization``: the fraction of the device's *total* memory this engine may use for weights,
@@ -59,7 +59,7 @@ class EngineConfig:
     - ``dtype``: ``auto`` (bf16 projections and KV cache where the CPU multiplies bf16 natively, fp32 elsewhere;
       see ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
       greedy outputs equal HF transformers' fp32 token for token.
-    - ``enable_step_interrupts``: a step may be paused between two layers for a short step of requests owed
+    - ``enable_step_interrupts``: a step may be paused between two parts of a layer for a short step of requests owed
       service ahead of it (a better priority class, or under ``fair`` a tenant far below the paused step's
       tenants; see ``scheduler``), of at most ``interrupt_max_num_batched_tokens`` tokens, at most
       ``max_interrupts_per_step`` times per step. ``force_step_interrupts`` (a test switch) interrupts at every

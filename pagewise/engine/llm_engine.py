@@ -7,7 +7,7 @@ the forward pass) fails every request the step touched and ``step`` raises ``Ste
 is verified afterwards, and if it does not add up ``check_accounting``'s ``RuntimeError`` escapes, chained to the
 original error (the engine cannot be trusted).
 
-Interruptible steps. Given a ``poll`` (which applies the messages that arrived), ``step`` checks between two layers
+Interruptible steps. Given a ``poll`` (which applies the messages that arrived), ``step`` checks between two parts
 whether a request arrived that is owed service ahead of the step (``Scheduler.schedule_interrupt``); if one is,
 the step is set aside (the one step ``in flight``, with its forward pass state), a short interrupting step runs
 whole and ``step`` returns its outputs; the next ``step`` resumes the paused one where it stopped. Invariants:
@@ -285,8 +285,8 @@ class LLMEngine:
         """Schedule, run the model once, sample, and report every request that made progress or failed.
 
         With ``poll`` (applies the messages that arrived) and ``enable_step_interrupts``, the step may pause
-        between two layers for an interrupting step: this call then reports that step, and the next call resumes
-        the paused one (see the module's docstring). Raises ``StepFailedError`` (engine consistent, the step's
+        between two parts of a layer for an interrupting step: this call then reports that step, and the next call
+        resumes the paused one (see the module's docstring). Raises ``StepFailedError`` (engine consistent, the step's
         requests failed) when batch-wide work fails.
         """
         flight = self._in_flight
@@ -296,7 +296,7 @@ class LLMEngine:
                 return []
         try:
             while not flight.run.done:
-                flight.run.run_layer()
+                flight.run.run_part()
                 if not flight.run.done and self._may_interrupt(flight, poll):
                     interrupting = self._interrupt(flight)
                     if interrupting is not None:

@@ -94,13 +94,9 @@ class StepRun:
     def done(self) -> bool:
         return self.forward is None or self.forward.done
 
-    @property
-    def layers_done(self) -> int:
-        return 0 if self.forward is None else self.forward.next_layer
-
-    def run_layer(self) -> None:
+    def run_part(self) -> None:
         assert self.forward is not None
-        self.forward.run_layer()
+        self.forward.run_part()
 
 
 class ModelRunner:
@@ -123,12 +119,12 @@ class ModelRunner:
         (or the exception that sampling its row raised)."""
         run = self.start(step)
         while not run.done:
-            run.run_layer()
+            run.run_part()
         return self.finish(run)
 
     @torch.inference_mode()
     def start(self, step: SchedulerOutput) -> StepRun:
-        """Run the step's block copies and embed its tokens: the rest runs a layer at a time (``StepRun``)."""
+        """Run the step's block copies and embed its tokens: the rest runs a part at a time (``StepRun``)."""
         self.kv_cache.run(step.block_ops)
         batch = [(r, n) for r, n in step.scheduled.items() if n > 0]
         if not batch:

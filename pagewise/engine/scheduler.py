@@ -20,7 +20,7 @@ Priorities (vLLM's ``priority``: an integer, lower runs first) come before eithe
 class is scheduled first and a request of the worst class running is the first victim; the policy orders requests
 within a class.
 
-**Interrupting steps.** While a step is paused between two layers (``LLMEngine``), ``schedule_interrupt`` may plan
+**Interrupting steps.** While a step is paused between two parts (``LLMEngine``), ``schedule_interrupt`` may plan
 one short step for the requests owed service ahead of it: requests of a strictly better class than every request
 in the paused step, or, under ``fair``, requests of a tenant whose counter is more than
 ``fair_share.INTERRUPT_THRESHOLD`` below every other tenant's in it (so a flood's own arrivals never interrupt

@@ -3,7 +3,7 @@ engine of this process, and the child process of ``core_process``. They differ o
 and where outputs go, which they pass in.
 
 Invariants:
-- Messages (adds, aborts) are applied in the order they were sent: between steps, and between two layers of a step
+- Messages (adds, aborts) are applied in the order they were sent: between steps, and between two parts of a step
   (the engine's ``poll``, so that an arrival owed service can interrupt the step; the engine defers an abort of a
   request in the step to the step's end). A stop that arrives during a step ends the loop after it.
 - One turn: apply what arrived (waiting for it only when the engine has nothing to do), publish the final outputs

@@ -43,7 +43,7 @@ _ENGINE_COUNTERS = {
     "generation_tokens_total": "Tokens generated.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-    "steps_paused": "Steps paused between two layers for an interrupting step.",
+    "steps_paused": "Steps paused between two parts of a layer for an interrupting step.",
     "step_interrupts": "Interrupting steps run while another step was paused.",
     "step_time_paused_seconds": "Seconds steps spent paused (the interrupting steps' time).",
 }

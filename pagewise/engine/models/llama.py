@@ -19,6 +19,10 @@ from pagewise import kernels
 from pagewise.engine.model_config import ModelArchConfig
 from pagewise.kernels.gemm import GemmPath, PackedWeight
 
+# a layer's MLP runs in parts of at most this many rows (tokens), each a pause point of a preemptible step: a
+# 2,048-token step pauses about every quarter of a layer, a step of 512 tokens or fewer once per half layer
+MLP_ROWS_PER_PART = 512
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -150,8 +154,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden.add_(self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta))
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+        return self.feed_forward(self.attend(hidden, rotary, positions, kv_cache, meta))
+
+    def attend(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
+        """The attention half: ``hidden`` plus attention over the paged cache (in place)."""
+        return hidden.add_(self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta))
+
+    def feed_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The MLP half, row by row independent: ``rows`` plus the MLP of their norm (in place)."""
+        return rows.add_(self.mlp(self.post_attention_layernorm(rows)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         run = self.start(input_ids, positions, kv_caches, meta)
         while not run.done:
-            run.run_layer()
+            run.run_part()
         return run.output()
 
     def start(
@@ -188,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> ForwardPass:
-        """The forward pass over these tokens, embedded and ready to run a layer at a time."""
+        """The forward pass over these tokens, embedded and ready to run a part at a time."""
         return ForwardPass(self, positions, kv_caches, meta, self.embed_tokens(input_ids))
 
     def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
@@ -250,12 +261,15 @@ class LlamaForCausalLM(nn.Module):
 
 @dataclass(slots=True)
 class ForwardPass:
-    """One forward pass, run a layer at a time so that it can be set aside between two layers and resumed later.
+    """One forward pass, run a part at a time so that it can be set aside between two parts and resumed later. A
+    layer's parts are its attention half, then its MLP half over at most ``MLP_ROWS_PER_PART`` rows at a time (the
+    MLP is row by row independent, so a long step's layer offers several pause points).
 
-    Invariants: everything the pass carries from one layer to the next is ``hidden`` (the residual stream) and
-    ``next_layer``; layer ``i`` reads and writes only the KV slots of ``meta`` in layer ``i``'s cache, so work run
-    while the pass is set aside changes nothing it computes as long as it touches none of those slots. Running
-    every layer gives exactly ``LlamaForCausalLM.forward``'s result (which is this loop).
+    Invariants: everything the pass carries from one part to the next is ``hidden`` (the residual stream),
+    ``next_layer`` and ``mlp_rows_done`` (None until the layer's attention half has run); layer ``i`` reads and
+    writes only the KV slots of ``meta`` in layer ``i``'s cache, so work run while the pass is set aside changes
+    nothing it computes as long as it touches none of those slots. Running every part gives exactly
+    ``LlamaForCausalLM.forward``'s result (which is this loop), whether or not it was set aside.
     """
 
     model: LlamaForCausalLM
@@ -264,17 +278,26 @@ class ForwardPass:
     meta: AttentionMetadata
     hidden: torch.Tensor
     next_layer: int = 0
+    mlp_rows_done: int | None = None
 
     @property
     def done(self) -> bool:
         return self.next_layer == len(self.model.layers)
 
     @torch.inference_mode()
-    def run_layer(self) -> None:
+    def run_part(self) -> None:
         layer = self.model.layers[self.next_layer]
-        kv_cache = self.kv_caches[self.next_layer]
-        self.hidden = layer(self.hidden, self.model.rotary, self.positions, kv_cache, self.meta)
-        self.next_layer += 1
+        if self.mlp_rows_done is None:
+            kv_cache = self.kv_caches[self.next_layer]
+            self.hidden = layer.attend(self.hidden, self.model.rotary, self.positions, kv_cache, self.meta)
+            self.mlp_rows_done = 0
+            return
+        start = self.mlp_rows_done
+        end = min(start + MLP_ROWS_PER_PART, self.hidden.shape[0])
+        layer.feed_forward(self.hidden[start:end])
+        self.mlp_rows_done = end
+        if end == self.hidden.shape[0]:
+            self.next_layer, self.mlp_rows_done = self.next_layer + 1, None
 
     @torch.inference_mode()
     def output(self) -> torch.Tensor:

@@ -54,7 +54,8 @@ async def test_the_body_priority_is_capped_by_the_keys_class(platform: Platform,
     assert engine_priorities == [1, 1, 7, -5, 0]
 
     admin = bearer(platform.admin_key)
-    rotated = await platform.http.post(f"/admin/tenants/{tenant['id']}/keys/{batch['id']}/rotate", json={}, headers=admin)
+    rotate = f"/admin/tenants/{tenant['id']}/keys/{batch['id']}/rotate"
+    rotated = await platform.http.post(rotate, json={}, headers=admin)
     assert rotated.status_code == 201, rotated.text
     assert rotated.json()["priority_class"] == "batch"  # rotation keeps the key's settings
     patched = await platform.http.patch(

@@ -86,9 +86,10 @@ def test_a_light_tenant_interrupts_a_heavy_step_under_fair(make_llm, alone) -> N
     engine = llm.engine
     _flood(engine)
     poll = _arrive_once(engine, "quiet", "quiet")
-    first = engine.step(poll)  # the flood's prefill step is paused after layer 1; the quiet prefill runs whole
+    first = engine.step(poll)  # the flood's step pauses after layer 0's attention; the quiet prefill runs whole
     assert [o.request_id for o in first] == ["quiet"] and first[0].outputs[0].token_ids == alone["quiet"][:1]
-    assert engine._in_flight is not None and engine._in_flight.run.layers_done == 1
+    paused = engine._in_flight.run.forward
+    assert (paused.next_layer, paused.mlp_rows_done) == (0, 0)
     stats = llm.stats()
     assert (stats["steps_paused"], stats["step_interrupts"]) == (1, 1) and stats["step_time_paused_seconds"] > 0
     assert _run(engine, poll) == alone
@@ -177,3 +178,22 @@ def test_offline_priority_and_bad_priorities(make_llm, alone) -> None:
         with pytest.raises(InvalidRequestError, match="priority must be an integer"):
             llm.generate([QUIET], GREEDY, use_tqdm=False, priority=[bad])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_long_step_runs_its_mlp_in_parts_and_is_exact(make_llm) -> None:
+    """800 prompt tokens in one step: each layer's MLP runs in two parts (``MLP_ROWS_PER_PART`` = 512), paused
+    at every part for the requests outside the step (the test switch); every output equals its own run alone."""
+    from pagewise.engine.models.llama import MLP_ROWS_PER_PART
+
+    prompts = [_prompt(200 + i, 100) for i in range(8)]
+    assert sum(map(len, prompts)) > MLP_ROWS_PER_PART
+    single = make_llm()
+    alone = [single.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = make_llm(force_step_interrupts=True, max_num_batched_tokens=800)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, GREEDY)
+    engine.add_request("late", QUIET, GREEDY)  # no budget left for it in the first step: it interrupts it
+    finals = _run(engine)
+    assert [finals[f"p{i}"] for i in range(8)] == alone
+    assert llm.stats()["step_interrupts"] > 0
