@@ -140,7 +140,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._step += 1
         owed = self._owed_waiting()
-        self._budget = self._step_budget(bool(owed))
+        self._budget = self._step_budget(owed)
         for request in owed:  # admitted first: the step is short for them (`_step_budget`)
             if not self._admit(out, request):
                 break
@@ -229,13 +229,15 @@ class Scheduler:
             return []
         return list(filter(self._owed_test(self.running), self.waiting))
 
-    def _step_budget(self, owed: bool) -> int:
-        """A short budget (``interrupt_budget`` plus a token per running request) when a waiting request is ``owed``
-        service ahead of the running ones, so that its first token does not wait for a long step; else the full
-        budget, or under ``fair`` the shared one while two or more tenants have had work lately."""
+    def _step_budget(self, owed: list[Request]) -> int:
+        """When waiting requests are ``owed`` service ahead of the running ones, a short budget — their prompts (at
+        most ``interrupt_budget``) plus a token per running request — so that their first tokens do not wait for a
+        long step; else the full budget, or under ``fair`` the shared one while two or more tenants have had work
+        lately."""
         if owed:
             assert self.interrupt_budget is not None
-            return min(self.max_num_batched_tokens, self.interrupt_budget + len(self.running))
+            prompts = min(sum(_to_compute(r) for r in owed), self.interrupt_budget)
+            return min(self.max_num_batched_tokens, prompts + len(self.running))
         if self.fair is None or self.shared_max_num_batched_tokens == self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         tenants = {tenant_of(r) for queue in (self.running, self.waiting, self.swapped) for r in queue}

@@ -5,8 +5,8 @@ scheduled prefill or decode just computes its tokens, as in `test_scheduler_prop
   by more than `U = max_num_seqs x C + max_num_batched_tokens x OUTPUT_COST`, C being the largest cost of one
   request (prompt x PROMPT_COST + max_tokens x OUTPUT_COST): a tenant ahead gets no new admission while the other
   waits, but its running requests finish what they started, and one step may charge a full budget.
-- No banking: a tenant idle while another ran is lifted to the other's counter when it arrives, so it does not
-  get the engine to itself until it "catches up".
+- No banking: a tenant idle while another ran is lifted to just below the other's counter (by
+  `INTERRUPT_THRESHOLD`) when it arrives, so it does not get the engine to itself until it "catches up".
 - Weights: a tenant of weight 2 is served twice the tokens of a tenant of weight 1 while both are backlogged.
 - FCFS is unchanged, and a tenant alone gets every step's full budget (work-conserving); while two tenants
   share, steps keep to the shared budget.
@@ -94,7 +94,7 @@ def test_two_backlogged_tenants_stay_within_the_bound(seed: int, budget: int, ma
     longest_prompt, longest_output = 40, 12
     bound = max_num_seqs * (longest_prompt * PROMPT_COST + longest_output * OUTPUT_COST) + budget * OUTPUT_COST
     checked = 0
-    for _ in range(300):
+    for _ in range(600):
         for tenant, rate in (("heavy", 0.9), ("light", 0.3)):  # both keep a backlog, at different sizes
             if rng.random() < rate and sim.backlog(tenant) < 12:
                 sim.submit(tenant, rng.randint(1, longest_prompt), rng.randint(1, longest_output))
