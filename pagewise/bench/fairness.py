@@ -1,7 +1,8 @@
 """``pagewise bench fairness``: one tenant's flood must not become another tenant's outage.
 
-Two tenants share an in-process ``AsyncLLMEngine`` (``--model``, fp32, ``--max-model-len`` 1,024, other engine
-defaults). The flood tenant keeps ``--flood-streams`` closed-loop streams busy: each sends a random-token prompt of
+Two tenants share an ``AsyncLLMEngine`` (``--model``, ``--max-model-len`` 1,024, other engine defaults) whose
+engine core runs in a child process, as ``pagewise serve``'s does (``--in-process``: on a thread of the bench's
+process, where the bench's own event loop competes with the engine for the GIL). The flood tenant keeps ``--flood-streams`` closed-loop streams busy: each sends a random-token prompt of
 U[``--flood-prompt-tokens``] tokens for ``--flood-max-tokens`` tokens (greedy, ``ignore_eos``) and its next one
 when it ends. The quiet tenant sends a ``--quiet-prompt-tokens`` prompt for ``--quiet-max-tokens`` tokens every
 ``--quiet-interval`` seconds, open loop: a new one on schedule even while the last one runs. Every prompt is
@@ -289,7 +290,7 @@ def _engine(args: argparse.Namespace, policy: str, interrupts: bool):
         scheduling_policy=policy,
         enable_step_interrupts=interrupts,
     )
-    return AsyncLLMEngine(config, progress=False)
+    return AsyncLLMEngine(config, progress=False, process=not args.in_process)
 
 
 async def _phases(engine, workload: Workload, phases: tuple[tuple[str, bool, int], ...]) -> dict[str, dict[str, Any]]:
@@ -388,6 +389,7 @@ def _result(
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "fair_max_num_batched_tokens": args.fair_max_num_batched_tokens,
+        "engine_process": not args.in_process,
         "workload": dataclasses.asdict(workload),
         "phases": phases,
         "ttft_p99_ratio_fcfs": fcfs["quiet_ttft_p99_ms"] / solo_p99,
@@ -459,9 +461,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--fair-max-num-batched-tokens",
         type=int,
-        help="fair engine: the step budget while both tenants are active (engine default: 1024 on CPU)",
+        help="fair engines: the step budget while both tenants are active (engine default: the full budget)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--in-process", action="store_true", help="step the engines on a thread of this process, not in a child"
+    )
 
     def knob(flag: str, help_text: str, **kwargs: Any) -> None:
         full, quick = _DEFAULTS[flag.removeprefix("--").replace("-", "_")]
