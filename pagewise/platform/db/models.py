@@ -65,7 +65,7 @@ class ApiKey(Base):
     """An API key. Only `prefix` and the SHA-256 of the secret are stored; the key itself is shown once.
 
     Its limits (`None`: none of its own) apply on top of its tenant's; `allowed_models` `None` allows every model;
-    `priority_class` (`None`: any) is the best priority class its requests may run at (`PRIORITY_CLASSES`).
+    `priority_class` (`None`: `interactive`) is the best priority class its requests may run at (`PRIORITY_CLASSES`).
     """
 
     __tablename__ = "api_keys"

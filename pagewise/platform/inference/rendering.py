@@ -25,12 +25,14 @@ from pagewise.platform.inference.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionDelta,
     PromptTokensDetails,
+    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from pagewise.platform.inference.tools import might_be_calls, parse_calls
+from pagewise.platform.inference.tools import CallPiece, CallReader, might_be_calls, new_call_id, parse_calls
 from pagewise.serving.protocol import ChoiceDelta, ChoiceSoFar, PositionLogprobs, TokenLogprob
 
 _DONE = b"data: [DONE]\n\n"
@@ -146,18 +148,24 @@ async def chat_events(job: InferenceJob) -> AsyncIterator[bytes]:
 
 class _HeldCalls:
     """With functions offered, a streamed choice's text is held back while it may still be calls (it starts like
-    `<tool_call>`); content from the moment it cannot be, or its calls, whole, in its last chunk. Without, every
-    delta passes as it came."""
+    `<tool_call>`); content from the moment it cannot be, or its calls, whole, in its last chunk. A constrained
+    answer (`required`, a named function) is calls by construction: each call streams as it is generated, its
+    name first, then its arguments in fragments (`tools.CallReader`). Without functions, every delta passes as
+    it came."""
 
     def __init__(self, job: InferenceJob) -> None:
         self._job, self._plan = job, job.prepared.tools
         self._held: dict[int, list[ChoiceDelta]] = {}
         self._released: set[int] = set()
+        self._readers: dict[int, CallReader] = {}
+        self._ids: dict[tuple[int, int], str] = {}
 
     def chunks(self, d: ChoiceDelta, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
         if self._plan is None or d.index in self._released:
             return [ChatChunkChoice(d.index, ChatDelta(content=d.text) if d.text else ChatDelta(), logprobs,
                                     d.finish_reason)]
+        if self._plan.constrained:
+            return self._streamed_calls(d)
         held = self._held.setdefault(d.index, [])
         held.append(d)
         text = "".join(h.text for h in held)
@@ -170,8 +178,38 @@ class _HeldCalls:
             whole = [p for h in held for p in h.logprobs or ()]
             lp = chat_logprobs(whole) if logprobs is not None else None
             return [ChatChunkChoice(d.index, ChatDelta(content=text) if text else ChatDelta(), lp, d.finish_reason)]
-        calls = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(message.tool_calls)]
+        calls = [_whole(i, c) for i, c in enumerate(message.tool_calls)]
         return [ChatChunkChoice(d.index, ChatDelta(tool_calls=calls), None, finish_reason)]
+
+    def _streamed_calls(self, d: ChoiceDelta) -> list[ChatChunkChoice]:
+        """A constrained choice's calls as they are generated; its whole text too, to read them at the end should
+        the reader lose track (the calls not yet streamed then go out whole, in the last chunk)."""
+        reader = self._readers.setdefault(d.index, CallReader())
+        held = self._held.setdefault(d.index, [])
+        held.append(d)
+        pieces = [] if reader.lost else reader.feed(d.text)
+        calls = [self._piece(d.index, p) for p in pieces]
+        finish_reason = d.finish_reason
+        if d.finish_reason is not None:
+            text = "".join(h.text for h in self._held.pop(d.index))
+            message, finish_reason = _answer(self._job, text, d.finish_reason)
+            if reader.lost and message.tool_calls is not None:
+                calls += [_whole(i, c) for i, c in enumerate(message.tool_calls) if i >= reader.calls]
+        if not calls and finish_reason is None:
+            return []
+        return [ChatChunkChoice(d.index, ChatDelta(tool_calls=calls or None), None, finish_reason)]
+
+    def _piece(self, choice: int, piece: CallPiece) -> ToolCallDelta:
+        if piece.name is None:
+            return ToolCallDelta(index=piece.index, function=FunctionDelta(arguments=piece.arguments))
+        call_id = self._ids.setdefault((choice, piece.index), new_call_id())
+        return ToolCallDelta(index=piece.index, id=call_id, type="function", function=FunctionDelta(name=piece.name,
+                                                                                                    arguments=""))
+
+
+def _whole(index: int, call: ToolCall) -> ToolCallDelta:
+    function = FunctionDelta(name=call.function.name, arguments=call.function.arguments)
+    return ToolCallDelta(index=index, id=call.id, type="function", function=function)
 
 
 async def completion_events(job: InferenceJob) -> AsyncIterator[bytes]:

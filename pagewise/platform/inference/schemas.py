@@ -225,13 +225,19 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
-class ToolCallDelta(msgspec.Struct, kw_only=True):
-    """One call in a streamed chunk; here each call is sent whole, in one chunk (OpenAI's clients accumulate)."""
+class FunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of one call in a streamed chunk, OpenAI's shape: a call's first piece carries its `id`, `type` and
+    name; later pieces the next fragment of its `arguments` (clients join them by `index`)."""
 
     index: int
-    id: str
-    function: FunctionCall
-    type: Literal["function"] = "function"
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):

@@ -131,11 +131,108 @@ def parse_calls(text: str, plan: ToolPlan) -> list[ToolCall] | None:
                                                                                                dict)):
             return None
         arguments = json.dumps(call["arguments"], ensure_ascii=False)
-        calls.append(ToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(name=call["name"],
-                                                                                        arguments=arguments)))
+        calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=call["name"], arguments=arguments)))
     if end != len(text) or not calls:
         return None
     return calls
+
+
+_CALL_HEAD = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_CALL_TAIL = re.compile(r"\s*\}\s*</tool_call>")
+_ARGUMENTS_KEY = re.compile(r'"arguments"\s*:')  # once it has arrived, a head that does not match never will
+_MAX_HEAD_CHARS = 1024  # a head not recognised by then is not in the expected shape
+
+
+@dataclass(frozen=True, slots=True)
+class CallPiece:
+    """A piece of a streamed call: its first piece names it (``name`` set, ``arguments`` empty), later pieces
+    carry the next fragment of its arguments' JSON text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+class CallReader:
+    """Reads a constrained answer (`constraint`'s grammar) as it streams and returns each call's pieces as soon
+    as they are known: a call's name once `<tool_call>{"name": …, "arguments": ` has arrived, then its arguments'
+    JSON text as it comes, to the end of the object — so a client sees the arguments grow, as OpenAI streams them.
+
+    Invariants: the pieces of one call, joined, are exactly its arguments' text in the answer; ``calls`` counts
+    the calls whose first piece was returned. An answer in a shape the grammar allows but this reader does not
+    expect (the keys in the other order) makes it stop (``lost``): the calls after ``calls`` then go out whole."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._state = "head"  # head -> arguments -> tail -> head …
+        self._depth, self._in_string, self._escaped = 0, False, False
+        self.calls = 0
+        self.lost = False
+
+    def feed(self, text: str) -> list[CallPiece]:
+        self._buffer += text
+        pieces: list[CallPiece] = []
+        while not self.lost and self._buffer:
+            if self._state == "head":
+                if not self._read_head(pieces):
+                    break
+            elif self._state == "arguments":
+                if self._depth == 0:  # before the object: the space after the key's colon is no part of it
+                    self._buffer = self._buffer.lstrip()
+                end = self._object_end()
+                fragment = self._buffer if end is None else self._buffer[:end]
+                if fragment:
+                    pieces.append(CallPiece(self.calls - 1, None, fragment))
+                self._buffer = self._buffer[len(fragment) :]
+                if end is None:
+                    break
+                self._state = "tail"
+            else:
+                match = _CALL_TAIL.match(self._buffer)
+                if match is None:
+                    self.lost = not ("}" + CLOSE).startswith("".join(self._buffer.split()))
+                    break
+                self._buffer, self._state = self._buffer[match.end() :], "head"
+        return pieces
+
+    def _read_head(self, pieces: list[CallPiece]) -> bool:
+        match = _CALL_HEAD.match(self._buffer)
+        if match is None:
+            self.lost = _ARGUMENTS_KEY.search(self._buffer) is not None or len(self._buffer) > _MAX_HEAD_CHARS
+            return False
+        pieces.append(CallPiece(self.calls, json.loads(match.group(1)), ""))
+        self.calls += 1
+        self._buffer, self._state = self._buffer[match.end() :], "arguments"
+        self._depth, self._in_string, self._escaped = 0, False, False
+        return True
+
+    def _object_end(self) -> int | None:
+        """Where the arguments object ends in the buffer (exclusive), or None if it goes on; its scanning state
+        carries over to the next call. An arguments value that is not an object loses the reader."""
+        for i, char in enumerate(self._buffer):
+            if self._depth == 0 and not char.isspace() and char != "{":
+                self.lost = True
+                return None
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 def might_be_calls(text: str) -> bool:

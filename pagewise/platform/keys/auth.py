@@ -153,7 +153,7 @@ def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
         weight=row.tenant_weight,
         key_quota=key_quota(row),
         allowed_models=None if row.allowed_models is None else tuple(row.allowed_models),
-        priority_floor=PRIORITY_CLASSES.get(row.priority_class or "", 0),
+        priority_floor=PRIORITY_CLASSES[row.priority_class or "interactive"],
     )
 
 

@@ -3,8 +3,8 @@
 Request bodies reject unknown fields. A key's `status` is derived, never stored: `revoked` once `revoked_at`
 is set, else `expired` once `expires_at` has passed, else `active` — the same rule `authenticate` applies.
 A key's limits (`KeyLimits`, declared once here) apply on top of its tenant's; `null` means none of its own,
-`allowed_models` `null` allows every model, and `priority_class` (`interactive`, `batch`; `null`: any) is the best
-priority class its requests run at: a request asking for a better `priority` runs at the class's.
+`allowed_models` `null` allows every model, and `priority_class` (`interactive`, `batch`; `null`: `interactive`)
+is the best priority class its requests run at: a request asking for a better `priority` runs at the class's.
 """
 
 from __future__ import annotations

@@ -101,20 +101,48 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
 
 
-def test_tool_calls_through_the_client(client: openai.OpenAI) -> None:
-    """`tools` with `tool_choice="required"`: the client reads a typed tool call whose arguments parse."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-        "additionalProperties": False}}}]
-    completion = client.chat.completions.create(
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+def _weather_call(client: openai.OpenAI, **extra):
+    return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=tools,
+        tools=WEATHER_TOOLS,
         tool_choice="required",
         max_tokens=60,
         temperature=0,
+        **extra,
     )
+
+
+def test_tool_calls_through_the_client(client: openai.OpenAI) -> None:
+    """`tools` with `tool_choice="required"`: the client reads a typed tool call whose arguments parse."""
+    completion = _weather_call(client)
     [choice] = completion.choices
     assert choice.finish_reason == "tool_calls", choice.message.content
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_streamed_tool_call_arguments_arrive_in_pieces(client: openai.OpenAI) -> None:
+    """Streamed, a required call's name comes first and its arguments in fragments, as OpenAI streams them; the
+    client's pieces join into arguments that parse."""
+    stream = _weather_call(client, stream=True)
+    names, ids, pieces, finish = [], set(), [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                assert call.index == 0
+                if call.id:
+                    ids.add(call.id)
+                if call.function and call.function.name:
+                    names.append(call.function.name)
+                if call.function and call.function.arguments:
+                    pieces.append(call.function.arguments)
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and names == ["get_weather"] and len(ids) == 1
+    assert len(pieces) > 1
+    assert isinstance(json.loads("".join(pieces))["city"], str)

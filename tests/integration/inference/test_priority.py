@@ -1,6 +1,7 @@
 """Priority classes over HTTP: a body's `priority` (vLLM's; lower runs first) reaches the engine, never better than
-its key's `priority_class` allows; the class is a key setting that survives rotation, and bad values are 400s
-that change nothing. The engine's own handling of priorities is tested in `tests/unit/engine`."""
+its key's `priority_class` allows (`interactive`, 0, when the key names none); the class is a key setting that
+survives rotation, and bad values are 400s that change nothing. The engine's own handling of priorities is tested
+in `tests/unit/engine`."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ async def test_the_body_priority_is_capped_by_the_keys_class(platform: Platform,
     await _chat(platform, batch["key"])  # asks for 0 (the default): runs at the batch class, 1
     await _chat(platform, batch["key"], priority=-5)
     await _chat(platform, batch["key"], priority=7)  # worse than its class: as asked
-    await _chat(platform, free["key"], priority=-5)
-    await _chat(platform, free["key"])
-    assert engine_priorities == [1, 1, 7, -5, 0]
+    await _chat(platform, free["key"], priority=-5)  # no key may put itself ahead of the interactive class
+    await _chat(platform, free["key"], priority=3)
+    assert engine_priorities == [1, 1, 7, 0, 3]
 
     admin = bearer(platform.admin_key)
     rotate = f"/admin/tenants/{tenant['id']}/keys/{batch['id']}/rotate"
@@ -62,8 +63,8 @@ async def test_the_body_priority_is_capped_by_the_keys_class(platform: Platform,
         f"/admin/tenants/{tenant['id']}/keys/{rotated.json()['id']}", json={"priority_class": None}, headers=admin
     )
     assert patched.status_code == 200 and patched.json()["priority_class"] is None
-    await _chat(platform, rotated.json()["key"], priority=-5)
-    assert engine_priorities[-1] == -5
+    await _chat(platform, rotated.json()["key"])
+    assert engine_priorities[-1] == 0
 
 
 async def test_bad_priorities_are_400s(platform: Platform, engine_priorities) -> None:

@@ -52,9 +52,12 @@ async def test_a_named_choice_calls_that_function_streamed(platform: Platform) -
     assert all(not d["delta"].get("content") for d in deltas)  # a call streams no content
     [last] = [d for d in deltas if d["finish_reason"]]
     assert last["finish_reason"] == "tool_calls"
-    [call] = last["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "get_time"
-    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    pieces = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    first, rest = pieces[0], pieces[1:]  # the name and id first, then the arguments as they were generated
+    assert first["index"] == 0 and first["function"] == {"name": "get_time", "arguments": ""}
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in rest)
+    assert isinstance(json.loads("".join(p["function"]["arguments"] for p in rest)), dict)
 
 
 async def test_auto_answers_a_conversation_with_earlier_calls(platform: Platform) -> None:

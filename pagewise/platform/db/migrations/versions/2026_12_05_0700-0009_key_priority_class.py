@@ -1,6 +1,6 @@
 """key priority classes: `api_keys.priority_class` is the best class a key's requests may run at
 
-`NULL` (every existing key) leaves the key unrestricted: its requests run at the priority they ask for.
+`NULL` (every existing key) means `interactive`: a request may ask for priority 0 or worse, never better.
 
 Revision ID: 0009
 Revises: 0008
