@@ -60,9 +60,10 @@ Publish = Callable[[list[RequestOutput]], None]
 
 def run_steps(engine: LLMEngine, take: TakeMessages, publish: Publish) -> StepFailedError | None:
     """Turn until `take` says stop (returns None) or ``MAX_FAILED_STEPS`` steps in a row failed (returns the last
-    failure)."""
+    failure). The structured-output vocabulary is built in the background from the start."""
     failed_steps = 0
     stopping = False
+    engine.grammar.prepare()  # a served engine's first constrained request must not stall every stream
 
     def poll() -> None:
         nonlocal stopping
