@@ -26,6 +26,7 @@ from pagewise.platform.db.session import create_db_engine, provide_db_session
 from pagewise.platform.engine_client import EngineClient, Transport
 from pagewise.platform.engine_loader import engine_summary, load_engine
 from pagewise.platform.errors import EXCEPTION_HANDLERS
+from pagewise.platform.files.controllers import FileController
 from pagewise.platform.http_edge import add_security_headers, refuse_nul_bytes
 from pagewise.platform.inference.controllers import InferenceController
 from pagewise.platform.inference.leases import keep_sweeping
@@ -133,6 +134,7 @@ ROUTE_HANDLERS = [
     metrics,
     InferenceController,
     RequestController,
+    FileController,
     UsageController,
     TenantController,
     KeyController,

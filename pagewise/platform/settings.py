@@ -89,6 +89,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`PAGEWISE_ROUTING_AFFINITY`: route a tenant's requests to the worker holding its prefix cache."""
     export_dir: str | None = None
     """`PAGEWISE_EXPORT_DIR`: where billing exports are written and served from (default: `<data dir>/exports`)."""
+    max_file_bytes: int = 200 * 2**20
+    """`PAGEWISE_MAX_FILE_BYTES`: the largest file `POST /v1/files` takes (OpenAI's batch input limit, 200 MiB)."""
     retention_days: int | None = None
     """`PAGEWISE_RETENTION_DAYS`: the retention job drops request input and output finished longer ago than this
     (tokens and cost stay); unset keeps them forever."""
@@ -105,6 +107,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def export_path(self) -> Path:
         """Where billing exports live: `PAGEWISE_EXPORT_DIR`, else `<data dir>/exports`."""
         return Path(self.export_dir) if self.export_dir else data_dir() / "exports"
+
+    @property
+    def files_path(self) -> Path:
+        """Where uploaded files live: `files/` in the export folder, which every replica and worker mounts."""
+        return self.export_path / "files"
 
     @property
     def is_embedded(self) -> bool:
@@ -149,7 +156,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise SettingsError(f"PAGEWISE_ENGINE_MODE must be local or redis; got {self.engine_mode!r}")
         if self.engine_mode == "redis" and self.redis_url is None:
             raise SettingsError("PAGEWISE_ENGINE_MODE=redis (or --workers-external) needs PAGEWISE_REDIS_URL")
-        for name in ("max_queue_depth", "worker_heartbeat_s", "max_deliveries", "jobs_visibility_timeout_s"):
+        for name in (
+            "max_queue_depth", "worker_heartbeat_s", "max_deliveries", "jobs_visibility_timeout_s", "max_file_bytes"
+        ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"PAGEWISE_{name.upper()} must be positive; got {getattr(self, name)}")
         if self.heartbeat_ttl_s >= self.quota_lease_s:

@@ -7,6 +7,7 @@ import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -185,12 +186,20 @@ def platform_quota_store() -> QuotaStore:
 
 
 @pytest.fixture
+def platform_settings() -> dict[str, Any]:
+    """Settings the `platform` app is built with beyond the test's database (a suite overrides it)."""
+    return {}
+
+
+@pytest.fixture
 async def platform(
-    database_url: str, llm_engine: AsyncLLMEngine, platform_quota_store: QuotaStore
+    database_url: str, llm_engine: AsyncLLMEngine, platform_quota_store: QuotaStore, platform_settings: dict[str, Any]
 ) -> AsyncIterator[Platform]:
     """The app on each database, driven over ASGI in the test's loop (so concurrent requests overlap)."""
     # a chosen bootstrap key: the app never writes a generated one anywhere (a terminal, a file) in tests
-    settings = Settings.from_env({}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key)
+    settings = Settings.from_env(
+        {}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key, **platform_settings
+    )
     app = create_app(settings, engine=llm_engine, quotas=platform_quota_store)
     async with app.lifespan():
         transport = httpx.ASGITransport(app=app)

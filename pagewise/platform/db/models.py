@@ -202,3 +202,24 @@ class BillingExport(Base):
     csv_sha256: Mapped[str] = mapped_column(String(64))
     jsonl_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class StoredFile(Base):
+    """A tenant's uploaded file (OpenAI's Files API; `purpose` `batch` only). Its bytes live in the file store
+    (`files/storage.py`) under its tenant and id, with their SHA-256; the row is written only once they are there.
+    `deleted_at` is set when it is deleted: its bytes are removed, the row stays (a batch naming it is refused as
+    deleted, not as unknown). Listings run newest first on `(created_at, id)`."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_id_created_at_id", "tenant_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(256))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    line_count: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[dt.datetime | None]

@@ -21,7 +21,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     workdir = tmp_path_factory.mktemp("server")
     database_url = f"sqlite+aiosqlite:///{workdir / 'e2e.db'}"
     serve = (sys.executable, "-m", "pagewise.cli", "serve")
-    with local_server(workdir, database_url, ["--max-model-len", "512"], command=serve) as server:
+    exports = {"PAGEWISE_EXPORT_DIR": str(workdir / "exports")}  # uploaded files go there, not to the home folder
+    with local_server(workdir, database_url, ["--max-model-len", "512"], command=serve, env=exports) as server:
         yield server.base, server.admin_key
         log = server.log_path
     assert server.admin_key.split("_", 2)[2] not in log.read_text()  # the secret never reaches the output
@@ -146,3 +147,18 @@ def test_streamed_tool_call_arguments_arrive_in_pieces(client: openai.OpenAI) ->
     assert finish == "tool_calls" and names == ["get_weather"] and len(ids) == 1
     assert len(pieces) > 1
     assert isinstance(json.loads("".join(pieces))["city"], str)
+
+
+def test_files_through_the_client(client: openai.OpenAI) -> None:
+    """`files.create` of a batch input file, `files.retrieve`, `files.list`, `files.content`, `files.delete`."""
+    line = {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
+    content = (json.dumps(line) + "\n").encode()
+    created = client.files.create(file=("requests.jsonl", content), purpose="batch")
+    assert created.purpose == "batch" and created.bytes == len(content) and created.filename == "requests.jsonl"
+    assert client.files.retrieve(created.id).id == created.id
+    assert created.id in [f.id for f in client.files.list()]
+    assert client.files.content(created.id).content == content
+    assert client.files.delete(created.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(created.id)

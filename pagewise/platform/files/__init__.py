@@ -1,0 +1,1 @@
+"""OpenAI's Files API for batch input: upload, list, read, delete — tenant-scoped, size- and line-limited."""
