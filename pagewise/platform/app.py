@@ -17,6 +17,8 @@ from litestar.middleware import DefineMiddleware
 from pagewise import tracing
 from pagewise.platform.admin.controllers import AdminController
 from pagewise.platform.admin.workers import list_workers
+from pagewise.platform.batches.controllers import BatchController
+from pagewise.platform.batches.runner import keep_running_batches
 from pagewise.platform.billing.controllers import PriceController
 from pagewise.platform.billing.exports import ExportController
 from pagewise.platform.dashboard import DASHBOARD_HANDLERS, template_config
@@ -135,6 +137,7 @@ ROUTE_HANDLERS = [
     InferenceController,
     RequestController,
     FileController,
+    BatchController,
     UsageController,
     TenantController,
     KeyController,
@@ -186,13 +189,18 @@ def _lifespan(
             app.state.services, app.state.sessionmaker = services, sessionmaker
             await _before_serving(services)
             await transport.start()
-            sweeper = asyncio.get_running_loop().create_task(keep_sweeping(requests, settings.quota_lease_s / 3))
+            loop = asyncio.get_running_loop()
+            background = [
+                loop.create_task(keep_sweeping(requests, settings.quota_lease_s / 3)),
+                loop.create_task(keep_running_batches(services)),
+            ]
             try:
                 yield
             finally:
-                sweeper.cancel()
-                with suppress(asyncio.CancelledError):
-                    await sweeper
+                for task in background:
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
                 await transport.close()
                 if quotas is None:
                     await store.close()

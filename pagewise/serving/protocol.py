@@ -50,10 +50,11 @@ class SpendRate(msgspec.Struct, frozen=True):
 
 
 class Reservation(msgspec.Struct, frozen=True):
-    """What one admitted request holds: `tokens`, `slots` concurrency slots (at least 1) and `spend`
-    micro-dollars (`rate.cost(tokens)`; 0 without a rate), counted for its tenant and, with `key_id`, its key.
+    """What one admitted request holds: `tokens`, `slots` concurrency slots (at least 1; 0 for a batch line) and
+    `spend` micro-dollars (`rate.cost(tokens)`; 0 without a rate), counted for its tenant and, with `key_id`, its
+    key.
 
-    `minute` and `month` name the windows its tokens and spend were counted in.
+    `minute` and `month` name the windows its tokens and spend were counted in (`minute` -1: none, a batch line).
     """
 
     id: str

@@ -34,8 +34,14 @@ class PriceTerms(Protocol):
     output_per_mtok_micros: int
 
 
-def request_cost(price: PriceTerms | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
-    """Micro-dollars for one request's tokens at `price` (cached prompt tokens at the cached price)."""
+BATCH_PRICE_PERCENT = 50  # a batch line costs this share of the interactive price (OpenAI's batch discount)
+
+
+def request_cost(
+    price: PriceTerms | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int, *, batch: bool = False
+) -> int:
+    """Micro-dollars for one request's tokens at `price` (cached prompt tokens at the cached price); a batch
+    line's at `BATCH_PRICE_PERCENT` of it."""
     if price is None:
         return 0
     product = (
@@ -43,7 +49,7 @@ def request_cost(price: PriceTerms | None, prompt_tokens: int, cached_tokens: in
         + cached_tokens * price.cached_input_per_mtok_micros
         + completion_tokens * price.output_per_mtok_micros
     )
-    return micros_for(product)
+    return micros_for(product * BATCH_PRICE_PERCENT // 100 if batch else product)
 
 
 _PRICES = ModelPrice.__table__.c

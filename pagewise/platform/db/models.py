@@ -139,6 +139,7 @@ class RequestRecord(Base):
     # request at this, since its reservation may be gone with Redis's data and its usage is not billed yet
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     reserved_micros: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    batch_id: Mapped[str | None] = mapped_column(String(40))  # the batch it is a line of (priced at the batch rate)
 
 
 class UsageDaily(Base):
@@ -223,3 +224,51 @@ class StoredFile(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     deleted_at: Mapped[dt.datetime | None]
+
+
+class Batch(Base):
+    """A tenant's batch (OpenAI's Batch API): the requests of an input file, run at the `batch` priority class in
+    the engines' spare capacity and priced at the batch rate. Its lines are `BatchLine`s; its request counts are
+    read from them. `status` is OpenAI's: `in_progress` → `finalizing` → `completed`, or `cancelling` →
+    `finalizing` → `cancelled`, or (the window passed: `expired_at` set) → `finalizing` → `expired`. The output
+    and error files' ids are made from the batch's, so writing them again writes the same files."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_tenant_id_id", "tenant_id", "id"), Index("ix_batches_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    batch_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata")
+    status: Mapped[str] = mapped_column(String(16))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    in_progress_at: Mapped[dt.datetime | None]
+    expires_at: Mapped[dt.datetime]
+    finalizing_at: Mapped[dt.datetime | None]
+    completed_at: Mapped[dt.datetime | None]
+    expired_at: Mapped[dt.datetime | None]
+    cancelling_at: Mapped[dt.datetime | None]
+    cancelled_at: Mapped[dt.datetime | None]
+
+
+class BatchLine(Base):
+    """One request of a batch, keyed by (batch, custom_id): `pending` → `running` (claimed: `request_id` names the
+    request it runs as) → `succeeded` | `failed`; or `cancelled` / `expired` before it ran. `result` is its line
+    of the output or error file, written once, when its request's row is final."""
+
+    __tablename__ = "batch_lines"
+    __table_args__ = (Index("ix_batch_lines_batch_id_status_line", "batch_id", "status", "line"),)
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer)
+    body: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    request_id: Mapped[str | None] = mapped_column(String(40))
+    claimed_at: Mapped[dt.datetime | None]
+    result: Mapped[dict[str, Any] | None]

@@ -129,9 +129,17 @@ class InferenceJob:
             raise quota_exceeded(decision, 0)
 
     @classmethod
-    async def admit(cls, services: PlatformServices, principal: Principal, prepared: PreparedRequest) -> InferenceJob:
+    async def admit(
+        cls,
+        services: PlatformServices,
+        principal: Principal,
+        prepared: PreparedRequest,
+        *,
+        request_id: str | None = None,
+        batch_id: str | None = None,
+    ) -> InferenceJob:
         """Check capacity and the key's models, reserve quota (tenant and key, tokens and spend), persist the
-        `queued` row, hand the request to an engine."""
+        `queued` row, hand the request to an engine. A batch line passes the id it claimed and its batch's."""
         services.engine.transport.check_capacity(principal.tenant_id)
         if principal.allowed_models is not None and prepared.model not in principal.allowed_models:
             raise APIError(
@@ -140,10 +148,10 @@ class InferenceJob:
                 code="model_not_allowed",
                 param="model",
             )
-        request_id = new_request_id(prepared.endpoint)
-        decision, reservation = await _reserve(services, principal, prepared, request_id)
+        request_id = request_id or new_request_id(prepared.endpoint)
+        decision, reservation = await _reserve(services, principal, prepared, request_id, interactive=batch_id is None)
         lease = services.lease_expiry()
-        await _persist_queued(services, principal, prepared, request_id, reservation, lease)
+        await _persist_queued(services, principal, prepared, request_id, reservation, lease, batch_id)
         submit = Submit(
             request_id=request_id,
             tenant_id=principal.tenant_id,
@@ -329,10 +337,11 @@ async def wait_ended(services: PlatformServices, request_id: str, timeout: float
 
 
 async def _reserve(
-    services: PlatformServices, principal: Principal, prepared: PreparedRequest, request_id: str
+    services: PlatformServices, principal: Principal, prepared: PreparedRequest, request_id: str, *, interactive: bool
 ) -> tuple[Decision, Reservation]:
     """Reserve the request's tokens, sequences and spend under the tenant's limits and the key's; a 400 when it
-    could never fit them, a 429 when it does not fit now."""
+    could never fit them, a 429 when it does not fit now. A batch line (not `interactive`) is counted in the
+    month's budgets only (`QuotaStore.reserve`)."""
     tokens, slots, key = prepared.reserved_tokens, prepared.num_sequences, principal.key_quota
     rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
     if _has_spend_budget(principal):
@@ -344,7 +353,8 @@ async def _reserve(
     if refusal is not None:
         raise refusal
     decision = await services.quotas.reserve(
-        principal.tenant_id, principal.limits, tokens, request_id, slots=slots, key=key, rate=rate
+        principal.tenant_id, principal.limits, tokens, request_id, slots=slots, key=key, rate=rate,
+        interactive=interactive,
     )
     if decision.reservation is None:
         services.metrics.quota_rejections.labels(principal.tenant_id, decision.rejected_by).inc()
@@ -359,6 +369,7 @@ async def _persist_queued(
     request_id: str,
     reservation: Reservation,
     lease: dt.datetime,
+    batch_id: str | None,
 ) -> None:
     """Write the request's `queued` row; if that fails, the reservation is given back before the error goes on."""
     record = RequestRecord(
@@ -374,6 +385,7 @@ async def _persist_queued(
         trace_id=tracing.trace_id(),
         reserved_tokens=reservation.tokens,
         reserved_micros=reservation.spend,
+        batch_id=batch_id,
     )
     try:
         await services.requests.create(record)

@@ -60,11 +60,11 @@ class Principal(msgspec.Struct, frozen=True):
 _KEYS, _TENANTS = ApiKey.__table__, Tenant.__table__
 _TENANT_COLUMNS = ("name", "status", *QuotaLimits.__struct_fields__, "max_tokens_per_request", "max_n", "weight")
 # Built once (every authenticated request runs it): the key's columns, and its tenant's as `tenant_<column>`.
-_KEY_WITH_TENANT = (
-    select(_KEYS, *(_TENANTS.c[name].label(f"tenant_{name}") for name in _TENANT_COLUMNS))
-    .join(_TENANTS, _TENANTS.c.id == _KEYS.c.tenant_id)
-    .where(_KEYS.c.prefix == bindparam("prefix"))
+_KEYS_WITH_TENANTS = select(_KEYS, *(_TENANTS.c[name].label(f"tenant_{name}") for name in _TENANT_COLUMNS)).join(
+    _TENANTS, _TENANTS.c.id == _KEYS.c.tenant_id
 )
+_KEY_WITH_TENANT = _KEYS_WITH_TENANTS.where(_KEYS.c.prefix == bindparam("prefix"))
+_KEY_BY_ID = _KEYS_WITH_TENANTS.where(_KEYS.c.id == bindparam("key_id"))
 _TOUCH = update(_KEYS).where(_KEYS.c.id == bindparam("key_id"))
 
 
@@ -133,6 +133,23 @@ def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
     if row is None or not secret_matches(parsed.secret, row.secret_sha256):
         raise unauthorized("Incorrect API key provided")
     now = utcnow()
+    principal = _checked(row, now)
+    if row.last_used_at is None or now - as_utc(row.last_used_at) > LAST_USED_RESOLUTION:
+        connection.execute(_TOUCH, {"key_id": row.id, "last_used_at": now})
+    return principal
+
+
+def principal_of_key(key_id: str, connection: Connection) -> Principal:
+    """The principal a key stands for now, by its id (work it started earlier, a batch's requests, runs as the key
+    and its tenant are at that moment): a deleted, revoked or expired key is a 401, a suspended tenant a 403."""
+    row = connection.execute(_KEY_BY_ID, {"key_id": key_id}).first()
+    if row is None:
+        raise unauthorized("The API key that made this request no longer exists")
+    return _checked(row, utcnow())
+
+
+def _checked(row: Row, now: dt.datetime) -> Principal:
+    """The principal of a key-with-tenant row, once the key is working and its tenant active."""
     match key_status(row.revoked_at, row.expires_at, now):
         case "revoked":
             raise unauthorized("This API key has been revoked")
@@ -140,8 +157,6 @@ def _principal(parsed: ParsedKey, connection: Connection) -> Principal:
             raise unauthorized("This API key has expired")
     if row.tenant_status != "active":
         raise APIError(403, f"Tenant '{row.tenant_name}' is {row.tenant_status}", code="tenant_suspended")
-    if row.last_used_at is None or now - as_utc(row.last_used_at) > LAST_USED_RESOLUTION:
-        connection.execute(_TOUCH, {"key_id": row.id, "last_used_at": now})
     return Principal(
         key_id=row.id,
         tenant_id=row.tenant_id,

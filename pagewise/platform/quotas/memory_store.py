@@ -81,9 +81,10 @@ class _Counters:
             self.spend_this_month,
         )
 
-    def take(self, tokens: int, spend: int) -> None:
-        self.requests_this_minute += 1
-        self.tokens_this_minute += tokens
+    def take(self, tokens: int, spend: int, interactive: bool) -> None:
+        if interactive:
+            self.requests_this_minute += 1
+            self.tokens_this_minute += tokens
         self.tokens_this_month += tokens
         self.spend_this_month += spend
 
@@ -141,27 +142,30 @@ class InProcessQuotaStore:
         slots: int = 1,
         key: KeyQuota | None = None,
         rate: SpendRate | None = None,
+        interactive: bool = True,
     ) -> Decision:
         check_request_size(tokens, slots)
+        held = slots if interactive else 0
         await self._seed("tenant", tenant_id)
         if key is not None:
             await self._seed("key", key.key_id)
         spend = 0 if rate is None else rate.cost(tokens)
         c, windows, now = self._counters(tenant_id)
         k = None if key is None else self._counters(key.key_id)[0]
-        rejected, scope = c.rejection(limits, tokens, slots, spend), "tenant"
+        rejected, scope = c.rejection(limits, tokens, held, spend), "tenant"
         if rejected is None and k is not None and key is not None:
             rejected = k.rejection(key.limits, tokens, 0, spend)
             scope = "tenant" if rejected is None else "key"
         reservation = None
         if rejected is None:
-            c.take(tokens, spend)
-            c.leases[reservation_id] = _Lease(now + self.lease_s, slots)
+            c.take(tokens, spend, interactive)
+            c.leases[reservation_id] = _Lease(now + self.lease_s, held)
             if k is not None:
-                k.take(tokens, spend)
+                k.take(tokens, spend, interactive)
             key_id = None if key is None else key.key_id
+            minute = windows.minute if interactive else -1
             reservation = Reservation(
-                reservation_id, tenant_id, tokens, windows.minute, windows.month, slots, key_id, spend, rate
+                reservation_id, tenant_id, tokens, minute, windows.month, held, key_id, spend, rate
             )
         key_state = None if k is None or key is None else ScopeState(key.limits, self._snapshot(k, windows))
         return Decision(reservation, rejected, self._snapshot(c, windows), limits, scope, key_state)

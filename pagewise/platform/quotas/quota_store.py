@@ -130,9 +130,12 @@ class QuotaStore(Protocol):
         slots: int = 1,
         key: KeyQuota | None = None,
         rate: SpendRate | None = None,
+        interactive: bool = True,
     ) -> Decision:
         """Take one request, `slots` slots, `tokens` tokens and their spend at `rate` for the tenant (and `key`)
-        if every limit allows it; else change nothing.
+        if every limit allows it; else change nothing. A request that is not `interactive` (a batch line) is
+        counted in the month's tokens and spend only: it holds no concurrency slot and takes nothing of the
+        minute's requests and tokens (its reservation's `slots` is 0 and its `minute` -1).
 
         Raises `ValueError` for `tokens < 0` or `slots < 1` (a caller's bug, not a user's error).
         """

@@ -80,11 +80,14 @@ local function rejection(first_limit, c, tokens, cost)
   if over(ARGV[first_limit + 3], c[4], cost) then return 'monthly_spend' end
   return ''
 end
-local function take(first, tokens, cost, minute_ttl, month_ttl)
-  local r = {redis.call('INCR', KEYS[first]), redis.call('INCRBY', KEYS[first + 1], tokens),
-             redis.call('INCRBY', KEYS[first + 2], tokens), redis.call('INCRBY', KEYS[first + 3], cost)}
-  redis.call('EXPIRE', KEYS[first], minute_ttl)
-  redis.call('EXPIRE', KEYS[first + 1], minute_ttl)
+local function take(first, tokens, cost, minute_ttl, month_ttl, minute)
+  local r = counters(first)
+  if minute then
+    r[1], r[2] = redis.call('INCR', KEYS[first]), redis.call('INCRBY', KEYS[first + 1], tokens)
+    redis.call('EXPIRE', KEYS[first], minute_ttl)
+    redis.call('EXPIRE', KEYS[first + 1], minute_ttl)
+  end
+  r[3], r[4] = redis.call('INCRBY', KEYS[first + 2], tokens), redis.call('INCRBY', KEYS[first + 3], cost)
   redis.call('EXPIRE', KEYS[first + 2], month_ttl)
   redis.call('EXPIRE', KEYS[first + 3], month_ttl)
   return r
@@ -93,11 +96,14 @@ end
 
 # KEYS: leases, slots, then req, tok, month, spend of the tenant and (with a key) of the key
 # ARGV: max_conc, then rpm, tpm, budget, spend budget of the tenant (2-5) and of the key (6-9) (-1 = unlimited),
-#       tokens, spend, id, minute ttl, month ttl, now, lease seconds, slots, has key, seeded months required
+#       tokens, spend, id, minute ttl, month ttl, now, lease seconds, slots, has key, seeded months required,
+#       interactive (0: a batch line, no slots held and nothing taken of the minute)
 _RESERVE = _LEASE_FUNCTIONS + _COUNTER_FUNCTIONS + """
 local tokens, cost = tonumber(ARGV[10]), tonumber(ARGV[11])
 local now, lease, k = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
 local has_key = ARGV[18] == '1'
+local interactive = ARGV[20] == '1'
+if not interactive then k = 0 end
 if ARGV[19] == '1' then
   if redis.call('EXISTS', KEYS[5]) == 0 then return {'unseeded', 'tenant'} end
   if has_key and redis.call('EXISTS', KEYS[9]) == 0 then return {'unseeded', 'key'} end
@@ -117,8 +123,8 @@ end
 if rejected == '' then
   write_lease(KEYS[1], KEYS[2], ARGV[12], k, now + lease, lease)
   conc, outstanding = conc + k, outstanding + 1
-  t = take(3, tokens, cost, ARGV[13], ARGV[14])
-  if has_key then kc = take(7, tokens, cost, ARGV[13], ARGV[14]) end
+  t = take(3, tokens, cost, ARGV[13], ARGV[14], interactive)
+  if has_key then kc = take(7, tokens, cost, ARGV[13], ARGV[14], interactive) end
 end
 return {rejected, scope, conc, outstanding, t[1], t[2], t[3], t[4], kc[1], kc[2], kc[3], kc[4]}
 """
@@ -244,6 +250,7 @@ class RedisQuotaStore:
         slots: int = 1,
         key: KeyQuota | None = None,
         rate: SpendRate | None = None,
+        interactive: bool = True,
     ) -> Decision:
         check_request_size(tokens, slots)
         spend = 0 if rate is None else rate.cost(tokens)
@@ -268,6 +275,7 @@ class RedisQuotaStore:
                 slots,
                 int(key is not None),
                 int(self._ledger is not None),
+                int(interactive),
             ]
             rejected, scope, *rest = await self._reserve(keys=keys, args=args)
             if rejected != "unseeded":
@@ -280,7 +288,8 @@ class RedisQuotaStore:
         reservation = None
         if rejected_by is None:
             key_id = None if key is None else key.key_id
-            reservation = Reservation(reservation_id, tenant_id, tokens, w.minute, w.month, slots, key_id, spend, rate)
+            minute, held = (w.minute, slots) if interactive else (-1, 0)
+            reservation = Reservation(reservation_id, tenant_id, tokens, minute, w.month, held, key_id, spend, rate)
         usage = _usage(int(conc), int(outstanding), counts[:4], w)
         key_state = None if key is None else ScopeState(key.limits, _usage(0, 0, counts[4:], w))
         return Decision(reservation, rejected_by, usage, limits, scope, key_state)

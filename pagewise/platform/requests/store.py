@@ -47,6 +47,9 @@ _FINISH = (
 )
 
 
+_BATCH_OF = select(_ROWS.c.batch_id).where(_ROWS.c.id == bindparam("request_id"))
+
+
 class RequestStore:
     def __init__(self, database: Database) -> None:
         self._database = database
@@ -148,7 +151,8 @@ def _finish(
     """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
     key's, on the day of `finished_at`."""
     price = price_in_effect(connection, model, result.finished_at)
-    cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+    batch = connection.execute(_BATCH_OF, {"request_id": request_id}).scalar() is not None
+    cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens, batch=batch)
     values = msgspec.structs.asdict(result)
     error = result.error
     values.update(

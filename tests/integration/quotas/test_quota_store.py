@@ -182,3 +182,23 @@ async def test_renew_keeps_all_slots(quota_store_factory: QuotaStoreFactory) -> 
     assert await store.renew(held) is False
     assert (await store.usage("t")).concurrent == 0
     assert (await store.reserve("t", limits, 1, "other", slots=3)).reservation is not None
+
+
+async def test_a_batch_line_counts_in_the_month_only(quota_store: QuotaStore) -> None:
+    """Not `interactive`: no concurrency slot, nothing of the minute's requests or tokens; the month's tokens (and
+    budget) as any request; reconciled once, the minute untouched."""
+    limits = QuotaLimits(monthly_token_budget=100)
+    decision = await quota_store.reserve("t", limits, 40, "b1", slots=2, interactive=False)
+    reservation = decision.reservation
+    assert reservation is not None and (reservation.slots, reservation.minute) == (0, -1)
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.outstanding, usage.requests_this_minute, usage.tokens_this_minute) == (0, 1, 0, 0)
+    assert usage.tokens_this_month == 40
+    assert (await quota_store.reserve("t", limits, 70, "b2", interactive=False)).rejected_by == "monthly_budget"
+    one = QuotaLimits(requests_per_minute=1, max_concurrent_requests=1)
+    assert (await quota_store.reserve("t", one, 1, "i1")).reservation is not None  # the interactive room is whole
+    assert await quota_store.reconcile(reservation, 25) is True
+    assert await quota_store.reconcile(reservation, 25) is False
+    usage = await quota_store.usage("t")
+    assert (usage.concurrent, usage.requests_this_minute, usage.tokens_this_minute) == (1, 1, 1)
+    assert usage.tokens_this_month == 26
