@@ -12,7 +12,9 @@ writer writes the same files) and its status made final.
 
 Crash safety: a line's request is the platform's durable request (its row, its lease, its settlement: billed
 once); a process that dies after claiming a line and before its row was written leaves a `running` line with no
-row, which goes back to `pending` after `CLAIM_GRACE`. An engine refusing work for now (503) puts the line back.
+row, which goes back to `pending` after `CLAIM_GRACE`; a request that failed because its process stopped, having
+billed nothing (the orphan sweep's or a restart's `worker_lost`), sends its line back to `pending` too, up to
+`MAX_LINE_ATTEMPTS` requests per line. An engine refusing work for now (503) puts the line back.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ from pagewise.platform.inference.job import InferenceJob, new_request_id
 from pagewise.platform.keys.auth import Principal, principal_of_key, unauthorized
 from pagewise.platform.quotas.quota_store import KeyQuota
 from pagewise.platform.services import PlatformServices
+from pagewise.serving.protocol import ErrorCode, RequestStatus
 
 logger = logging.getLogger(__name__)
 MAX_IN_FLIGHT_PER_BATCH = 8
 MAX_IN_FLIGHT_PER_TENANT = 16
 CLAIM_GRACE = dt.timedelta(seconds=60)
 TICK_S = 0.25
+MAX_LINE_ATTEMPTS = 3
+_LOST = (ErrorCode.WORKER_LOST, ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.QUEUE_TIMEOUT)
 _ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 
 
@@ -99,9 +104,22 @@ async def _settle(services: PlatformServices, batch: Batch) -> None:
                 continue
             if row.status in UNFINISHED_STATUSES:
                 continue
+            if _lost_unbilled(row) and line.attempts < MAX_LINE_ATTEMPTS:
+                await session.execute(_running(line).values(status="pending", request_id=None, claimed_at=None))
+                continue
             succeeded, result = finished_result(line, row)
             await session.execute(_running(line).values(status="succeeded" if succeeded else "failed", result=result))
         await session.commit()
+
+
+def _lost_unbilled(row: RequestRecord) -> bool:
+    """A request that failed because its process stopped, having billed nothing: its line may run again."""
+    return (
+        row.status == RequestStatus.FAILED
+        and row.error_code in _LOST
+        and row.prompt_tokens == row.completion_tokens == 0
+        and row.cost_micros == 0
+    )
 
 
 def _pending(line: BatchLine):
@@ -187,7 +205,9 @@ async def _run_line(services: PlatformServices, batch: Batch, line: BatchLine, p
     request_id = new_request_id(_ENDPOINTS[batch.endpoint])
     async with services.sessionmaker() as session:
         claimed = await session.execute(
-            _pending(line).values(status="running", request_id=request_id, claimed_at=utcnow())
+            _pending(line).values(
+                status="running", request_id=request_id, claimed_at=utcnow(), attempts=BatchLine.attempts + 1
+            )
         )
         await session.commit()
     if not claimed.rowcount:

@@ -258,8 +258,9 @@ class Batch(Base):
 
 class BatchLine(Base):
     """One request of a batch, keyed by (batch, custom_id): `pending` → `running` (claimed: `request_id` names the
-    request it runs as) → `succeeded` | `failed`; or `cancelled` / `expired` before it ran. `result` is its line
-    of the output or error file, written once, when its request's row is final."""
+    request it runs as) → `succeeded` | `failed`; or `cancelled` / `expired` before it ran; or back to `pending`
+    when its request was lost with its process before anything was billed (`attempts` bounds that). `result` is
+    its line of the output or error file, written once, when its request's row is final."""
 
     __tablename__ = "batch_lines"
     __table_args__ = (Index("ix_batch_lines_batch_id_status_line", "batch_id", "status", "line"),)
@@ -271,4 +272,5 @@ class BatchLine(Base):
     status: Mapped[str] = mapped_column(String(16))
     request_id: Mapped[str | None] = mapped_column(String(40))
     claimed_at: Mapped[dt.datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0)  # requests it was handed over as
     result: Mapped[dict[str, Any] | None]

@@ -162,3 +162,41 @@ def test_files_through_the_client(client: openai.OpenAI) -> None:
     assert client.files.delete(created.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(created.id)
+
+
+def test_a_batch_through_the_client(client: openai.OpenAI) -> None:
+    """`files.create`, `batches.create`, `batches.retrieve` until done, `files.content` of the output: every
+    `custom_id` answered once; `batches.cancel` of a second batch keeps what finished."""
+    import time
+
+    def upload(n: int, max_tokens: int) -> str:
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Say {i}"}],
+                           "max_tokens": max_tokens, "ignore_eos": True}} for i in range(n)]
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        return client.files.create(file=("batch.jsonl", content), purpose="batch").id
+
+    batch = client.batches.create(input_file_id=upload(4, 4), endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "e2e"})
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.25)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 4 and batch.metadata == {"run": "e2e"}
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == ["q0", "q1", "q2", "q3"]
+    assert all(o["response"]["body"]["choices"][0]["message"]["content"] is not None for o in output)
+    assert batch.id in [b.id for b in client.batches.list()]
+
+    long = client.batches.create(input_file_id=upload(40, 32), endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+    cancelled = client.batches.cancel(long.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    while cancelled.status != "cancelled":
+        assert time.monotonic() < deadline + 120, cancelled
+        time.sleep(0.25)
+        cancelled = client.batches.retrieve(long.id)
+    answered = [json.loads(line)["custom_id"] for f in (cancelled.output_file_id, cancelled.error_file_id) if f
+                for line in client.files.content(f).text.splitlines()]
+    assert sorted(answered) == sorted(f"q{i}" for i in range(40))

@@ -53,6 +53,7 @@ def upgrade() -> None:
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("request_id", sa.String(40), nullable=True),
         _moment("claimed_at"),
+        sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("result", sa.JSON(), nullable=True),
     )
     op.create_index("ix_batch_lines_batch_id_status_line", "batch_lines", ["batch_id", "status", "line"])
