@@ -41,6 +41,7 @@ COLUMNS = (
     "tenant_id",
     "period",
     "api_key_id",
+    "batch_id",
     "model",
     "day",
     "requests",
@@ -71,6 +72,7 @@ def _records(tenant_id: str, period: str, usage: list[UsageDaily]) -> list[dict[
             "tenant_id": tenant_id,
             "period": period,
             "api_key_id": u.api_key_id,
+            "batch_id": u.batch_id,
             "model": u.model,
             "day": u.day.isoformat(),
             "requests": u.requests,
@@ -89,6 +91,7 @@ def _records(tenant_id: str, period: str, usage: list[UsageDaily]) -> list[dict[
             "tenant_id": tenant_id,
             "period": period,
             "api_key_id": "",
+            "batch_id": "",
             "model": "",
             "day": "",
             **totals,
@@ -139,7 +142,7 @@ def export_month(session: Session, export_dir: Path, tenant_id: str, period: str
             session.scalars(
                 select(UsageDaily)
                 .where(UsageDaily.tenant_id == tenant_id, UsageDaily.day >= first, UsageDaily.day < following)
-                .order_by(UsageDaily.api_key_id, UsageDaily.model, UsageDaily.day)
+                .order_by(UsageDaily.api_key_id, UsageDaily.batch_id, UsageDaily.model, UsageDaily.day)
             )
         )
         files = render(tenant_id, period, usage)

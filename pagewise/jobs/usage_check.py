@@ -45,10 +45,14 @@ def _from_rows(session: Session, day: dt.date) -> dict[_Key, _Totals]:
 
 
 def _recorded(session: Session, day: dt.date) -> dict[_Key, _Totals]:
-    return {
-        (u.tenant_id, u.model, u.api_key_id): (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cost_micros)
-        for u in session.scalars(select(UsageDaily).where(UsageDaily.day == day))
-    }
+    """`usage_daily`'s totals per (tenant, model, key): a key's batches and its interactive usage summed."""
+    totals: dict[_Key, _Totals] = {}
+    for u in session.scalars(select(UsageDaily).where(UsageDaily.day == day)):
+        p, c, x, s = totals.get((u.tenant_id, u.model, u.api_key_id), _ZERO)
+        totals[(u.tenant_id, u.model, u.api_key_id)] = (
+            p + u.prompt_tokens, c + u.completion_tokens, x + u.cached_tokens, s + u.cost_micros
+        )
+    return totals
 
 
 def check_day(session: Session, day: dt.date) -> list[str]:

@@ -143,7 +143,7 @@ class RequestRecord(Base):
 
 
 class UsageDaily(Base):
-    """Per tenant, UTC day, model and API key: requests, tokens and cost; updated in the transaction finishing a
+    """Per tenant, UTC day, model, API key and batch: requests, tokens and cost; updated in the transaction finishing a
     request, so it is the one source of truth for usage (the roll-up jobs only check it against the rows).
 
     `api_key_id` is part of the key, so usage groups by key without reading request rows. It is `""` for
@@ -157,6 +157,7 @@ class UsageDaily(Base):
     day: Mapped[dt.date] = mapped_column(Date, primary_key=True)
     model: Mapped[str] = mapped_column(String(200), primary_key=True)
     api_key_id: Mapped[str] = mapped_column(String(40), primary_key=True, server_default=text("''"))
+    batch_id: Mapped[str] = mapped_column(String(40), primary_key=True, server_default=text("''"))  # "": interactive
     requests: Mapped[int] = mapped_column(default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)

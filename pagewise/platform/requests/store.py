@@ -135,7 +135,8 @@ def _usage_upsert(insert_for_dialect: Any) -> Any:
     """Add a settled request's totals to its `usage_daily` row, creating the row at its first request."""
     statement = insert_for_dialect(_USAGE)
     totals = {k: _USAGE.c[k] + statement.excluded[k] for k in _USAGE_TOTALS}
-    return statement.on_conflict_do_update(index_elements=["tenant_id", "day", "model", "api_key_id"], set_=totals)
+    keys = ["tenant_id", "day", "model", "api_key_id", "batch_id"]
+    return statement.on_conflict_do_update(index_elements=keys, set_=totals)
 
 
 _USAGE_UPSERT = {"postgresql": _usage_upsert(pg_insert), "sqlite": _usage_upsert(sqlite_insert)}
@@ -151,7 +152,8 @@ def _finish(
     """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
     key's, on the day of `finished_at`."""
     price = price_in_effect(connection, model, result.finished_at)
-    batch = connection.execute(_BATCH_OF, {"request_id": request_id}).scalar() is not None
+    batch_id = connection.execute(_BATCH_OF, {"request_id": request_id}).scalar()
+    batch = batch_id is not None
     cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens, batch=batch)
     values = msgspec.structs.asdict(result)
     error = result.error
@@ -170,6 +172,7 @@ def _finish(
         "day": result.finished_at.astimezone(dt.UTC).date(),
         "model": model,
         "api_key_id": won.api_key_id or "",
+        "batch_id": batch_id or "",
         "requests": 1,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,

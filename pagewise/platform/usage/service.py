@@ -3,7 +3,8 @@
 Daily buckets read `usage_daily` (kept in step with finished requests); hourly buckets aggregate finished
 request rows. Every bucket in the range is returned, empty ones included, as OpenAI's Usage API does.
 `cost_micros` is spend in integer micro-dollars, the sum of the requests' settled costs. Grouped by
-`api_key_id`, usage not attributed to a key (recorded before keys were tracked) has `api_key_id` null.
+`api_key_id`, usage not attributed to a key (recorded before keys were tracked) has `api_key_id` null; grouped
+by `batch_id`, interactive usage has `batch_id` null.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pagewise.serving.protocol import RequestStatus
 MAX_UNIX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a datetime holds
 UnixTime = Annotated[int | None, QueryParameter(ge=0, le=MAX_UNIX_TIME, description="Unix seconds")]
 BucketWidth = Literal["1d", "1h"]
-GroupField = Literal["tenant_id", "model", "api_key_id"]
-TenantGroupField = Literal["model", "api_key_id"]  # a tenant sees only its own rows: grouping by tenant means nothing
+GroupField = Literal["tenant_id", "model", "api_key_id", "batch_id"]
+# a tenant sees only its own rows: grouping by tenant means nothing
+TenantGroupField = Literal["model", "api_key_id", "batch_id"]
 _WIDTH = {"1d": dt.timedelta(days=1), "1h": dt.timedelta(hours=1)}
 _FINISHED = tuple(s.value for s in RequestStatus if s not in UNFINISHED_STATUSES)
 
@@ -41,6 +43,7 @@ class UsageResult(msgspec.Struct, kw_only=True):
     model: str | None = None
     tenant_id: str | None = None
     api_key_id: str | None = None
+    batch_id: str | None = None
     object: Literal["organization.usage.completions.result"] = "organization.usage.completions.result"
 
 
@@ -63,6 +66,7 @@ class _Row(msgspec.Struct):
     tenant_id: str
     model: str
     api_key_id: str | None
+    batch_id: str | None
     requests: int
     prompt_tokens: int
     completion_tokens: int
@@ -123,6 +127,7 @@ async def _daily_rows(
             u.tenant_id,
             u.model,
             u.api_key_id or None,
+            u.batch_id or None,
             u.requests,
             u.prompt_tokens,
             u.completion_tokens,
@@ -142,6 +147,7 @@ async def _hourly_rows(
         RequestRecord.tenant_id,
         RequestRecord.model,
         RequestRecord.api_key_id,
+        RequestRecord.batch_id,
         RequestRecord.prompt_tokens,
         RequestRecord.completion_tokens,
         RequestRecord.cached_tokens,
@@ -155,6 +161,6 @@ async def _hourly_rows(
     if tenant_id is not None:
         query = query.where(RequestRecord.tenant_id == tenant_id)
     return [
-        _Row(_floor(as_utc(finished), "1h"), tenant, model, key, 1, prompt, completion, cached, cost)
-        for finished, tenant, model, key, prompt, completion, cached, cost in (await session.execute(query)).all()
+        _Row(_floor(as_utc(finished), "1h"), tenant, model, key, batch, 1, prompt, completion, cached, cost)
+        for finished, tenant, model, key, batch, prompt, completion, cached, cost in await session.execute(query)
     ]

@@ -84,6 +84,13 @@ async def test_a_batch_runs_every_line_once_at_the_batch_rate(platform: Platform
             + row.completion_tokens * micros(price, "output")
         )
         assert row.cost_micros == micros_for(full * BATCH_PRICE_PERCENT // 100) > 0
+    for width in ("1d", "1h"):  # usage and cost grouped by batch: the batch's alone, as billed
+        page = await platform.http.get(
+            "/v1/usage", params={"group_by": "batch_id", "bucket_width": width}, headers=bearer(key)
+        )
+        results = [r for bucket in page.json()["data"] for r in bucket["results"] if r["batch_id"] == batch["id"]]
+        assert sum(r["num_model_requests"] for r in results) == 5
+        assert sum(r["cost_micros"] for r in results) == sum(row.cost_micros for row in rows)
     # the interactive rate limit of 1 request a minute is still unused
     interactive = await platform.http.post("/v1/chat/completions", json=lines[0]["body"], headers=bearer(key))
     assert interactive.status_code == 200, interactive.text

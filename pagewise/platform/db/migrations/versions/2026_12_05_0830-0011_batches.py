@@ -1,4 +1,5 @@
-"""batches: OpenAI's Batch API — batches, their lines (keyed by batch and custom_id), and `requests.batch_id`
+"""batches: OpenAI's Batch API — batches, their lines (keyed by batch and custom_id), `requests.batch_id`, and
+`usage_daily.batch_id` in its primary key (`""` for interactive usage, every row from before)
 
 Revision ID: 0011
 Revises: 0010
@@ -59,9 +60,43 @@ def upgrade() -> None:
     op.create_index("ix_batch_lines_batch_id_status_line", "batch_lines", ["batch_id", "status", "line"])
     with op.batch_alter_table("requests") as batch:
         batch.add_column(sa.Column("batch_id", sa.String(40), nullable=True))
+    _replace_usage_daily(
+        [sa.Column("batch_id", sa.String(40), server_default=sa.text("''"), nullable=False)],
+        "SELECT tenant_id, day, model, api_key_id, '', requests, prompt_tokens, completion_tokens, cached_tokens,"
+        " cost_micros FROM usage_daily",
+    )
+
+
+def _replace_usage_daily(batch_column: list[sa.Column], select: str) -> None:
+    """Rebuild `usage_daily` with (`batch_column` or none) after `api_key_id` in its primary key, filled by
+    `select` from the old one: a new table, copied, renamed (as revision 0004 did)."""
+    op.create_table(
+        "usage_daily_next",
+        sa.Column("tenant_id", sa.String(length=40), nullable=False),
+        sa.Column("day", sa.Date(), nullable=False),
+        sa.Column("model", sa.String(length=200), nullable=False),
+        sa.Column("api_key_id", sa.String(length=40), server_default=sa.text("''"), nullable=False),
+        *batch_column,
+        sa.Column("requests", sa.Integer(), nullable=False),
+        sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
+        sa.Column("completion_tokens", sa.BigInteger(), nullable=False),
+        sa.Column("cached_tokens", sa.BigInteger(), nullable=False),
+        sa.Column("cost_micros", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
+        sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("tenant_id", "day", "model", "api_key_id", *(c.name for c in batch_column)),
+    )
+    op.execute(f"INSERT INTO usage_daily_next {select}")
+    op.drop_table("usage_daily")
+    op.rename_table("usage_daily_next", "usage_daily")
 
 
 def downgrade() -> None:
+    """A batch's usage merges back into its key's day."""
+    _replace_usage_daily(
+        [],
+        "SELECT tenant_id, day, model, api_key_id, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),"
+        " SUM(cached_tokens), SUM(cost_micros) FROM usage_daily GROUP BY tenant_id, day, model, api_key_id",
+    )
     with op.batch_alter_table("requests") as batch:
         batch.drop_column("batch_id")
     op.drop_index("ix_batch_lines_batch_id_status_line", table_name="batch_lines")
