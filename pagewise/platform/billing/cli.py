@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     set_price.add_argument("--input", required=True, help="dollars per million prompt tokens, e.g. 0.15")
     set_price.add_argument("--output", required=True, help="dollars per million completion tokens")
     set_price.add_argument("--cached-input", help="dollars per million cached prompt tokens (default: --input)")
+    set_price.add_argument("--batch-percent", type=int, default=50, help="the share a batch line pays (default 50)")
     set_price.add_argument("--effective-from", help="ISO-8601 datetime, UTC unless it has an offset (default: now)")
 
 
@@ -67,6 +68,7 @@ async def _prices_set(session: Any, args: argparse.Namespace) -> None:
         input=args.input,
         output=args.output,
         cached_input=args.cached_input,
+        batch_percent=args.batch_percent,
         effective_from=None if args.effective_from is None else _moment(args.effective_from),
     )
     _print_price(await PriceService(session).create(data))

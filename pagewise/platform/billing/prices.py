@@ -32,16 +32,14 @@ class PriceTerms(Protocol):
     input_per_mtok_micros: int
     cached_input_per_mtok_micros: int
     output_per_mtok_micros: int
-
-
-BATCH_PRICE_PERCENT = 50  # a batch line costs this share of the interactive price (OpenAI's batch discount)
+    batch_percent: int
 
 
 def request_cost(
     price: PriceTerms | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int, *, batch: bool = False
 ) -> int:
     """Micro-dollars for one request's tokens at `price` (cached prompt tokens at the cached price); a batch
-    line's at `BATCH_PRICE_PERCENT` of it."""
+    line's at the price's `batch_percent` of it."""
     if price is None:
         return 0
     product = (
@@ -49,7 +47,7 @@ def request_cost(
         + cached_tokens * price.cached_input_per_mtok_micros
         + completion_tokens * price.output_per_mtok_micros
     )
-    return micros_for(product * BATCH_PRICE_PERCENT // 100 if batch else product)
+    return micros_for(product * price.batch_percent // 100 if batch else product)
 
 
 _PRICES = ModelPrice.__table__.c
@@ -57,7 +55,11 @@ _PRICES = ModelPrice.__table__.c
 # reused keeps SQLAlchemy from rebuilding its clauses and cache key each time.
 PRICE_IN_EFFECT = (
     select(
-        _PRICES.id, _PRICES.input_per_mtok_micros, _PRICES.cached_input_per_mtok_micros, _PRICES.output_per_mtok_micros
+        _PRICES.id,
+        _PRICES.input_per_mtok_micros,
+        _PRICES.cached_input_per_mtok_micros,
+        _PRICES.output_per_mtok_micros,
+        _PRICES.batch_percent,
     )
     .where(_PRICES.model == bindparam("model"), _PRICES.effective_from <= bindparam("moment"))
     .order_by(_PRICES.effective_from.desc())
@@ -86,6 +88,7 @@ def price_out(price: ModelPrice) -> PriceOut:
         input=price.input_per_mtok_micros / MICROS_PER_DOLLAR,
         cached_input=price.cached_input_per_mtok_micros / MICROS_PER_DOLLAR,
         output=price.output_per_mtok_micros / MICROS_PER_DOLLAR,
+        batch_percent=price.batch_percent,
         effective_from=as_utc(price.effective_from),
         created_at=as_utc(price.created_at),
     )
@@ -117,11 +120,17 @@ def _checked(data: PriceCreate, now: dt.datetime) -> dict[str, object]:
     cached_micros = input_micros if data.cached_input is None else to_micros(data.cached_input, "cached_input")
     if cached_micros > input_micros:
         raise invalid_request("cached_input must not exceed input", param="cached_input")
+    if isinstance(data.batch_percent, bool) or not isinstance(data.batch_percent, int) or not (
+        0 <= data.batch_percent <= 100
+    ):
+        raise invalid_request(f"batch_percent must be an integer from 0 to 100; got {data.batch_percent!r}",
+                              param="batch_percent")
     values: dict[str, object] = {
         "model": clean_name(data.model, param="model"),
         "input_per_mtok_micros": input_micros,
         "cached_input_per_mtok_micros": cached_micros,
         "output_per_mtok_micros": to_micros(data.output, "output"),
+        "batch_percent": data.batch_percent,
     }
     effective_from = now if data.effective_from is None else as_utc(data.effective_from).astimezone(dt.UTC)
     if effective_from < now:

@@ -8,6 +8,7 @@ dollars. Request bodies reject unknown fields.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Annotated
 
 import msgspec
 
@@ -17,13 +18,15 @@ Dollars = float | str  # dollars per million tokens; checked and converted by `p
 
 class PriceCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A new price version for `model`, in dollars per million tokens. `cached_input` defaults to `input` and may
-    not exceed it; `effective_from` (no offset means UTC) defaults to now and may not lie in the past, so a new
-    price never changes a cost already billed."""
+    not exceed it; a batch line pays `batch_percent` of it (default 50, OpenAI's batch discount); `effective_from`
+    (no offset means UTC) defaults to now and may not lie in the past, so a new price never changes a cost already
+    billed."""
 
     model: str
     input: Dollars
     output: Dollars
     cached_input: Dollars | None = None
+    batch_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 50
     effective_from: dt.datetime | None = None
 
 
@@ -35,5 +38,6 @@ class PriceOut(msgspec.Struct, kw_only=True):
     input: float
     cached_input: float
     output: float
+    batch_percent: int  # the share of this price a batch line pays
     effective_from: dt.datetime
     created_at: dt.datetime

@@ -180,6 +180,7 @@ class ModelPrice(Base):
     input_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
     cached_input_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
     output_per_mtok_micros: Mapped[int] = mapped_column(BigInteger)
+    batch_percent: Mapped[int] = mapped_column(Integer, default=50, server_default=text("50"))  # a batch line's share
     effective_from: Mapped[dt.datetime]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 

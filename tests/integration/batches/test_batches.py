@@ -13,7 +13,6 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.billing.prices import BATCH_PRICE_PERCENT
 from pagewise.platform.db.models import Batch, RequestRecord
 from pagewise.serving.money import micros_for
 
@@ -83,7 +82,7 @@ async def test_a_batch_runs_every_line_once_at_the_batch_rate(platform: Platform
             + row.cached_tokens * micros(price, "cached_input")
             + row.completion_tokens * micros(price, "output")
         )
-        assert row.cost_micros == micros_for(full * BATCH_PRICE_PERCENT // 100) > 0
+        assert row.cost_micros == micros_for(full * price["batch_percent"] // 100) > 0
     for width in ("1d", "1h"):  # usage and cost grouped by batch: the batch's alone, as billed
         page = await platform.http.get(
             "/v1/usage", params={"group_by": "batch_id", "bucket_width": width}, headers=bearer(key)

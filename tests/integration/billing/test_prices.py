@@ -32,8 +32,8 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
         "/admin/prices", json={"model": model, "input": 0.15, "output": "0.6"}, headers=admin
     )
     assert first.status_code == 201, first.text
-    assert {k: first.json()[k] for k in ("input", "cached_input", "output")} == {  # cached defaults to input
-        "input": 0.15, "cached_input": 0.15, "output": 0.6
+    assert {k: first.json()[k] for k in ("input", "cached_input", "output", "batch_percent")} == {
+        "input": 0.15, "cached_input": 0.15, "output": 0.6, "batch_percent": 50  # cached defaults to input
     }
     second = await platform.http.post(
         "/admin/prices",
@@ -42,6 +42,7 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
             "input": 0.1,
             "cached_input": 0.05,
             "output": 0.4,
+            "batch_percent": 25,
             "effective_from": later.isoformat(),
         },
         headers=admin,
@@ -49,7 +50,7 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
     assert second.status_code == 201, second.text
     listed = await _prices(platform, model)
     assert [p["id"] for p in listed] == [second.json()["id"], first.json()["id"]]
-    assert dt.datetime.fromisoformat(listed[0]["effective_from"]) == later
+    assert dt.datetime.fromisoformat(listed[0]["effective_from"]) == later and listed[0]["batch_percent"] == 25
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,8 @@ async def test_create_and_list_versions_newest_first(platform: Platform) -> None
         ({"output_per_mtok_micros": 400_000}, "output_per_mtok_micros", 400),  # micro-dollars are storage only
         ({"model": "  "}, "model", 400),
         ({"currency": "eur"}, "currency", 400),
+        ({"batch_percent": 101}, "batch_percent", 400),
+        ({"batch_percent": 0.5}, "batch_percent", 400),
     ],
 )
 async def test_bad_prices_are_400s_naming_the_field_and_write_nothing(

@@ -1,5 +1,6 @@
-"""batches: OpenAI's Batch API — batches, their lines (keyed by batch and custom_id), `requests.batch_id`, and
-`usage_daily.batch_id` in its primary key (`""` for interactive usage, every row from before)
+"""batches: OpenAI's Batch API — batches, their lines (keyed by batch and custom_id), `requests.batch_id`,
+`usage_daily.batch_id` in its primary key (`""` for interactive usage, every row from before), and
+`model_prices.batch_percent` (the share of the price a batch line pays; 50 for every existing price)
 
 Revision ID: 0011
 Revises: 0010
@@ -60,6 +61,8 @@ def upgrade() -> None:
     op.create_index("ix_batch_lines_batch_id_status_line", "batch_lines", ["batch_id", "status", "line"])
     with op.batch_alter_table("requests") as batch:
         batch.add_column(sa.Column("batch_id", sa.String(40), nullable=True))
+    with op.batch_alter_table("model_prices") as batch:
+        batch.add_column(sa.Column("batch_percent", sa.Integer(), server_default=sa.text("50"), nullable=False))
     _replace_usage_daily(
         [sa.Column("batch_id", sa.String(40), server_default=sa.text("''"), nullable=False)],
         "SELECT tenant_id, day, model, api_key_id, '', requests, prompt_tokens, completion_tokens, cached_tokens,"
@@ -97,6 +100,8 @@ def downgrade() -> None:
         "SELECT tenant_id, day, model, api_key_id, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),"
         " SUM(cached_tokens), SUM(cost_micros) FROM usage_daily GROUP BY tenant_id, day, model, api_key_id",
     )
+    with op.batch_alter_table("model_prices") as batch:
+        batch.drop_column("batch_percent")
     with op.batch_alter_table("requests") as batch:
         batch.drop_column("batch_id")
     op.drop_index("ix_batch_lines_batch_id_status_line", table_name="batch_lines")
