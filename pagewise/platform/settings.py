@@ -91,6 +91,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`PAGEWISE_EXPORT_DIR`: where billing exports are written and served from (default: `<data dir>/exports`)."""
     max_file_bytes: int = 200 * 2**20
     """`PAGEWISE_MAX_FILE_BYTES`: the largest file `POST /v1/files` takes (OpenAI's batch input limit, 200 MiB)."""
+    batch_lines_in_flight: int = 64
+    """`PAGEWISE_BATCH_LINES_IN_FLIGHT`: a batch's lines handed to the engines at once (a tenant's batches together:
+    twice that); they run at the batch priority class, so interactive work goes first."""
     retention_days: int | None = None
     """`PAGEWISE_RETENTION_DAYS`: the retention job drops request input and output finished longer ago than this
     (tokens and cost stay); unset keeps them forever."""
@@ -157,7 +160,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         if self.engine_mode == "redis" and self.redis_url is None:
             raise SettingsError("PAGEWISE_ENGINE_MODE=redis (or --workers-external) needs PAGEWISE_REDIS_URL")
         for name in (
-            "max_queue_depth", "worker_heartbeat_s", "max_deliveries", "jobs_visibility_timeout_s", "max_file_bytes"
+            "max_queue_depth",
+            "worker_heartbeat_s",
+            "max_deliveries",
+            "jobs_visibility_timeout_s",
+            "max_file_bytes",
+            "batch_lines_in_flight",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"PAGEWISE_{name.upper()} must be positive; got {getattr(self, name)}")

@@ -6,7 +6,7 @@ A tick, per open batch: lines whose request's row is final get their result (`ru
 claimed (`pending` → `running` under a fresh request id) and admitted like any request — the same preparation,
 quota reservation, row and Submit, but under the batch's key with the interactive rate and concurrency limits
 left out (its tenant's and key's token and dollar budgets still apply) and at the `batch` priority class — at
-most `MAX_IN_FLIGHT_PER_BATCH` per batch and `MAX_IN_FLIGHT_PER_TENANT` per tenant; once no line is pending or
+most `batch_lines_in_flight` (a setting) per batch and twice that per tenant; once no line is pending or
 running, the batch is finalized: its output and error files written (ids derived from the batch's, so a second
 writer writes the same files) and its status made final.
 
@@ -44,8 +44,6 @@ from pagewise.platform.services import PlatformServices
 from pagewise.serving.protocol import ErrorCode, RequestStatus
 
 logger = logging.getLogger(__name__)
-MAX_IN_FLIGHT_PER_BATCH = 8
-MAX_IN_FLIGHT_PER_TENANT = 16
 CLAIM_GRACE = dt.timedelta(seconds=60)
 TICK_S = 0.25
 MAX_LINE_ATTEMPTS = 3
@@ -81,7 +79,7 @@ async def run_batches_once(services: PlatformServices) -> None:
         if batch.status == "in_progress" and batch.expired_at is None and utcnow() >= as_utc(batch.expires_at):
             await _expire(services, batch)
         elif batch.status == "in_progress" and batch.expired_at is None:
-            room = MAX_IN_FLIGHT_PER_TENANT - running[batch.tenant_id]
+            room = 2 * services.settings.batch_lines_in_flight - running[batch.tenant_id]
             running[batch.tenant_id] += await _dispatch(services, batch, room)
         await _finalize(services, batch)
 
@@ -169,7 +167,7 @@ async def _dispatch(services: PlatformServices, batch: Batch, tenant_room: int) 
         running = await session.scalar(
             select(func.count()).where(BatchLine.batch_id == batch.id, BatchLine.status == "running")
         )
-        room = min(MAX_IN_FLIGHT_PER_BATCH - (running or 0), tenant_room)
+        room = min(services.settings.batch_lines_in_flight - (running or 0), tenant_room)
         if room <= 0:
             return 0
         pending = list(

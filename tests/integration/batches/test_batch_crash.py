@@ -34,7 +34,7 @@ def _batch(base: str, key: str, batch_id: str) -> dict:
 def test_a_killed_server_loses_no_line_and_bills_each_once(tmp_path: Path) -> None:
     database = tmp_path / "crash.db"
     database_url = f"sqlite+aiosqlite:///{database}"
-    env = {"PAGEWISE_EXPORT_DIR": str(tmp_path / "exports")}
+    env = {"PAGEWISE_EXPORT_DIR": str(tmp_path / "exports"), "PAGEWISE_BATCH_LINES_IN_FLIGHT": "4"}
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     with local_server(tmp_path / "first", database_url, ARGS, env=env) as server:

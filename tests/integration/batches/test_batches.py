@@ -26,7 +26,7 @@ DONE = ("completed", "cancelled", "expired")
 
 @pytest.fixture
 def platform_settings(tmp_path: Path) -> dict:
-    return {"export_dir": str(tmp_path / "exports")}
+    return {"export_dir": str(tmp_path / "exports"), "batch_lines_in_flight": 4}  # a cancel finds lines pending
 
 
 async def create_batch(platform: Platform, key: str, lines: list, **extra):
