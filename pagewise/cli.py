@@ -119,6 +119,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     if with_bench:
         from pagewise.bench import (
+            batch,
             capacity,
             fairness,
             faults,
@@ -135,7 +136,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
 
         modules = (
             throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm,
-            faults, versus_vllm,
+            faults, versus_vllm, batch,
         )
         for module in modules:
             module.register(bench)

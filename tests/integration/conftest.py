@@ -208,3 +208,18 @@ async def platform(
                 ops = await TenantService(session).create(TenantCreate(name=f"ops-{secrets.token_hex(4)}"))
                 admin = await KeyService(session).create(ops.id, KeyCreate(scopes=["admin"]))
             yield Platform(app, http, app.state.services, admin.key)
+
+
+@pytest.fixture
+def engine_priorities(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The `priority` each request of the `platform` app reached its engine with, in order."""
+    engine = platform.services.engine.transport.host.engine
+    seen: list[int] = []
+    generate = engine.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["priority"])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    return seen

@@ -16,6 +16,7 @@ from pagewise.platform.db.models import Batch
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.files.controllers import storage
 from pagewise.platform.keys.auth import Principal, requires_scope
+from pagewise.platform.pages import page_fields
 from pagewise.platform.services import Services
 
 PageLimit = Annotated[int, QueryParameter(ge=1, le=100)]
@@ -53,12 +54,7 @@ class BatchController(Controller):
             query = query.where(Batch.id < after)
         rows = list(await db_session.scalars(query.order_by(Batch.id.desc()).limit(limit + 1)))
         page = [await batch_out(db_session, b) for b in rows[:limit]]
-        return BatchList(
-            data=page,
-            first_id=page[0].id if page else None,
-            last_id=page[-1].id if page else None,
-            has_more=len(rows) > limit,
-        )
+        return BatchList(**page_fields(page, len(rows), limit))
 
     @get("/{batch_id:str}")
     async def retrieve(

@@ -27,6 +27,7 @@ from pagewise.platform.files.batch_input import BatchInputError, read_batch_inpu
 from pagewise.platform.files.schemas import FileDeleted, FileList, FileObject, file_object
 from pagewise.platform.files.storage import FileStorage
 from pagewise.platform.keys.auth import Principal, requires_scope
+from pagewise.platform.pages import page_fields
 from pagewise.platform.services import Services
 
 UPLOAD_CEILING_BYTES = 2**30  # what the server reads of an upload at most; `PAGEWISE_MAX_FILE_BYTES` is below it
@@ -124,13 +125,7 @@ class FileController(Controller):
             query = query.where(StoredFile.id < after if order == "desc" else StoredFile.id > after)
         by = StoredFile.id.desc() if order == "desc" else StoredFile.id.asc()
         rows = list(await db_session.scalars(query.order_by(by).limit(limit + 1)))
-        page = [file_object(r) for r in rows[:limit]]
-        return FileList(
-            data=page,
-            first_id=page[0].id if page else None,
-            last_id=page[-1].id if page else None,
-            has_more=len(rows) > limit,
-        )
+        return FileList(**page_fields([file_object(r) for r in rows[:limit]], len(rows), limit))
 
     @get("/{file_id:str}")
     async def retrieve(

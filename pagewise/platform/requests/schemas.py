@@ -9,6 +9,7 @@ import msgspec
 
 from pagewise.platform.db.models import RequestRecord
 from pagewise.platform.inference.schemas import PromptTokensDetails, Usage
+from pagewise.platform.pages import page_fields
 from pagewise.platform.requests.store import row_error
 
 
@@ -82,10 +83,4 @@ def request_out(row: RequestRecord) -> RequestOut:
 
 def request_page(rows: list[RequestRecord], limit: int) -> RequestList:
     """`rows` holds up to `limit + 1` rows; the extra one only tells whether there is more."""
-    page = [request_out(r) for r in rows[:limit]]
-    return RequestList(
-        data=page,
-        first_id=page[0].id if page else None,
-        last_id=page[-1].id if page else None,
-        has_more=len(rows) > limit,
-    )
+    return RequestList(**page_fields([request_out(r) for r in rows[:limit]], len(rows), limit))

@@ -97,20 +97,11 @@ async def test_a_batch_runs_every_line_once_at_the_batch_rate(platform: Platform
     assert [b["id"] for b in listed["data"]] == [batch["id"]]
 
 
-async def test_batch_lines_run_at_the_batch_priority_class(platform: Platform, monkeypatch) -> None:
-    engine = platform.services.engine.transport.host.engine
-    seen: list[int] = []
-    generate = engine.generate
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["priority"])
-        return generate(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "generate", recording)
+async def test_batch_lines_run_at_the_batch_priority_class(platform: Platform, engine_priorities) -> None:
     _, key = await platform.tenant_with_key()
     batch = (await create_batch(platform, key, [batch_line("a"), batch_line("b", priority=-3)])).json()
     await wait_done(platform, key, batch["id"])
-    assert seen == [1, 1]
+    assert engine_priorities == [1, 1]
 
 
 async def test_cancel_keeps_what_finished_and_answers_every_line_once(platform: Platform) -> None:

@@ -12,21 +12,6 @@ from ..harness import Platform, bearer, chat_body
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def engine_priorities(platform: Platform, monkeypatch) -> list[int]:
-    """The `priority` each request reached the engine with."""
-    engine = platform.services.engine.transport.host.engine
-    seen: list[int] = []
-    generate = engine.generate
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["priority"])
-        return generate(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "generate", recording)
-    return seen
-
-
 async def _key(platform: Platform, tenant_id: str, **settings) -> dict:
     response = await platform.http.post(
         f"/admin/tenants/{tenant_id}/keys", json=settings, headers=bearer(platform.admin_key)
