@@ -52,4 +52,5 @@ def test_any_chunking_gives_each_call_its_name_and_exact_arguments(seed: int) ->
 def test_an_unexpected_shape_loses_the_reader(text: str) -> None:
     reader, calls = _read(text, 0)
     assert reader.lost
-    assert all(json.loads(arguments or "{}") is not None for _, arguments in calls.values() if arguments == "{}")
+    # what was returned before it gave up is right: a call's name alone, or its whole arguments object
+    assert all(arguments == "" or isinstance(json.loads(arguments), dict) for _, arguments in calls.values())

@@ -64,6 +64,8 @@ async def keep_running_batches(services: PlatformServices, tick_s: float = TICK_
 async def run_batches_once(services: PlatformServices) -> None:
     async with services.sessionmaker() as session:
         batches = list(await session.scalars(select(Batch).where(Batch.status.in_(OPEN_STATUSES)).order_by(Batch.id)))
+        if not batches:  # the idle tick: one query
+            return
         running = Counter(
             dict(
                 (await session.execute(

@@ -180,6 +180,8 @@ class CallReader:
                 if self._depth == 0:  # before the object: the space after the key's colon is no part of it
                     self._buffer = self._buffer.lstrip()
                 end = self._object_end()
+                if self.lost:  # not an object: nothing of it may go out as arguments
+                    break
                 fragment = self._buffer if end is None else self._buffer[:end]
                 if fragment:
                     pieces.append(CallPiece(self.calls - 1, None, fragment))

@@ -43,11 +43,10 @@ _START = update(_ROWS).where(_ROWS.c.id == bindparam("request_id"), _ROWS.c.stat
 _FINISH = (
     update(_ROWS)
     .where(_ROWS.c.id == bindparam("request_id"), _ROWS.c.status.in_(_UNFINISHED))
-    .returning(_ROWS.c.api_key_id)
+    .returning(_ROWS.c.api_key_id, _ROWS.c.batch_id)
 )
-
-
-_BATCH_OF = select(_ROWS.c.batch_id).where(_ROWS.c.id == bindparam("request_id"))
+# a batch line's cost, once the final write that won knows the row is one (only batch rows pay this statement)
+_BATCH_COST = update(_ROWS).where(_ROWS.c.id == bindparam("request_id")).values(cost_micros=bindparam("cost"))
 
 
 class RequestStore:
@@ -152,9 +151,8 @@ def _finish(
     """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
     key's, on the day of `finished_at`."""
     price = price_in_effect(connection, model, result.finished_at)
-    batch_id = connection.execute(_BATCH_OF, {"request_id": request_id}).scalar()
-    batch = batch_id is not None
-    cost = request_cost(price, result.prompt_tokens, result.cached_tokens, result.completion_tokens, batch=batch)
+    tokens = (result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+    cost = request_cost(price, *tokens)
     values = msgspec.structs.asdict(result)
     error = result.error
     values.update(
@@ -167,12 +165,15 @@ def _finish(
     won = connection.execute(_FINISH, values).first()
     if won is None:
         return None
+    if won.batch_id is not None:
+        cost = request_cost(price, *tokens, batch=True)
+        connection.execute(_BATCH_COST, {"request_id": request_id, "cost": cost})
     usage = {
         "tenant_id": tenant_id,
         "day": result.finished_at.astimezone(dt.UTC).date(),
         "model": model,
         "api_key_id": won.api_key_id or "",
-        "batch_id": batch_id or "",
+        "batch_id": won.batch_id or "",
         "requests": 1,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
