@@ -146,8 +146,10 @@ def vllm_offline(python: Path, weights: Path, workload: Any, dtype: str, sampled
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         driver = Path(__file__).with_name("vllm_driver.py")
-        # a session of its own: vLLM's engine processes go with it, even when this bench is interrupted
-        process = subprocess.Popen([str(python), str(driver), str(spec_path), str(result_path)],
+        # a session of its own: vLLM's engine processes go with it, even when this bench is interrupted; -P keeps
+        # the driver's directory off vLLM's import path (transformers probes for a package named `kernels`, and
+        # would import pagewise's bench module of that name)
+        process = subprocess.Popen([str(python), "-P", str(driver), str(spec_path), str(result_path)],
                                    stdout=sys.stderr, env=thread_env(threads), start_new_session=True)
         try:
             code = process.wait()  # vLLM's logs pass through on stderr: the progress of this step

@@ -19,10 +19,12 @@ from pagewise.kernels import cpu_ops, reference
 _BACKENDS = ("triton", "cpu", "torch")
 
 
-def backend_for(tensor: torch.Tensor, cache: torch.Tensor | None = None) -> str:
+def backend_for(
+    tensor: torch.Tensor, cache: torch.Tensor | None = None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> str:
     """The backend an op on activations ``tensor`` (and, for a cache op, ``cache``) runs with: the env override,
-    else Triton on CUDA, the compiled kernels where they handle the dtypes (``cpu_ops.supports``), and torch
-    elsewhere."""
+    else Triton on CUDA, the compiled kernels where they handle the dtypes (``cpu_ops.supports``; ``dtypes``: the
+    activation dtypes the op's compiled form takes), and torch elsewhere."""
     forced = os.environ.get("PAGEWISE_KERNEL_BACKEND", "").strip().lower()
     if forced:
         if forced not in _BACKENDS:
@@ -35,7 +37,7 @@ def backend_for(tensor: torch.Tensor, cache: torch.Tensor | None = None) -> str:
         return forced
     if tensor.is_cuda:
         return "triton"
-    return "cpu" if cpu_ops.supports(tensor, cache) else "torch"
+    return "cpu" if cpu_ops.supports(tensor, cache, dtypes) else "torch"
 
 
 def _triton():
@@ -64,14 +66,28 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     )
 
 
-def _fused(tensor: torch.Tensor):
-    """The layer ops (no Triton versions): compiled for CPU float32 where built, else the torch reference."""
-    return cpu_ops if backend_for(tensor) == "cpu" else reference
+_BF16_TOO = (torch.float32, torch.bfloat16)  # ops whose compiled form also takes a bf16 projection's output
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm over the last dimension of a 2-D ``x``. See ``reference.rms_norm``."""
-    return _fused(x).rms_norm(x, weight, eps)
+def _fused(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    """The layer ops (no Triton versions): compiled for CPU where built and the dtypes are theirs, else the torch
+    reference."""
+    return cpu_ops if backend_for(tensor, dtypes=dtypes) == "cpu" else reference
+
+
+def rms_norm(x, weight, eps, out_dtype=None):
+    """RMSNorm over the last dimension of a 2-D ``x``, the result in ``out_dtype`` (default: ``x``'s). See
+    ``reference.rms_norm``."""
+    return _fused(x).rms_norm(x, weight, eps, out_dtype)
+
+
+def residual_add(residual, delta) -> None:
+    """``residual += delta`` in place (a bf16 delta into a float32 stream widened exactly). See
+    ``reference.residual_add``."""
+    if delta.dtype == residual.dtype:
+        residual.add_(delta)
+    else:
+        _fused(residual).residual_add(residual, delta)
 
 
 def rotary_embedding(positions, query, key, cos, sin):
@@ -80,8 +96,8 @@ def rotary_embedding(positions, query, key, cos, sin):
 
 
 def silu_and_mul(gate_up):
-    """``silu(gate) * up`` of ``[rows, 2 * size]``. See ``reference.silu_and_mul``."""
-    return _fused(gate_up).silu_and_mul(gate_up)
+    """``silu(gate) * up`` of ``[rows, 2 * size]``, in the input's dtype. See ``reference.silu_and_mul``."""
+    return _fused(gate_up, _BF16_TOO).silu_and_mul(gate_up)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:
@@ -100,6 +116,7 @@ __all__ = [
     "copy_blocks",
     "paged_attention",
     "reshape_and_cache",
+    "residual_add",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

@@ -4,10 +4,10 @@ The ops keep ``reference``'s contracts (``rotary_embedding`` rotates its inputs 
 
 ``available()`` loads the library built by ``python -m pagewise.kernels.cpu_build``; if it is missing or fails to
 load, it warns once and answers False, and the CPU path runs the torch reference instead. The compiled ops take
-float32 activations and float32 or bfloat16 caches; ``paged_attention`` runs decode rows (one query token)
-through the compiled op and prefill chunks through the reference's per-sequence attention, so both paths compute
-the same function as ``reference.paged_attention`` (to float32 rounding: the compiled op sums in a different
-order).
+float32 activations (and bf16 where an op says so) and float32 or bfloat16 caches; ``paged_attention`` runs decode
+rows (one query token) through the compiled op and prefill chunks through the reference's per-sequence attention,
+so both paths compute the same function as ``reference.paged_attention`` (to float32 rounding: the compiled op sums
+in a different order).
 """
 
 from __future__ import annotations
@@ -48,18 +48,25 @@ def available() -> bool:
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def supports(tensor: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
-    """Whether the compiled ops handle activations like ``tensor`` (CPU float32) and, for a cache op, a cache
-    like ``cache`` (CPU float32 or bfloat16), the library being loaded."""
-    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+def supports(
+    tensor: torch.Tensor, cache: torch.Tensor | None = None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> bool:
+    """Whether the compiled ops handle activations like ``tensor`` (on CPU, of one of ``dtypes``: float32 unless
+    the op takes a bf16 projection's output too) and, for a cache op, a cache like ``cache`` (CPU float32 or
+    bfloat16), the library being loaded."""
+    if tensor.device.type != "cpu" or tensor.dtype not in dtypes:
         return False
     if cache is not None and (cache.device.type != "cpu" or cache.dtype not in CACHE_DTYPES):
         return False
     return available()
 
 
-def rms_norm(x, weight, eps):
-    return torch.ops.pagewise_cpu.rms_norm(x, weight, eps)
+def rms_norm(x, weight, eps, out_dtype=None):
+    return torch.ops.pagewise_cpu.rms_norm(x, weight, eps, out_dtype)
+
+
+def residual_add(residual, delta) -> None:
+    torch.ops.pagewise_cpu.residual_add(residual, delta)
 
 
 def rotary_embedding(positions, query, key, cos, sin):

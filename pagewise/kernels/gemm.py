@@ -39,11 +39,12 @@ class GemmPath(StrEnum):
 
 class PackedWeight:
     """A weight (``[out, in]``) and bias prepared once for ``path``; calling it computes ``x Wᵀ + b`` for a 2-D
-    ``x`` of the weight's dtype. With a ``compute_dtype`` other than the weight's (bf16 for an fp32 model), the
-    weight is held in ``compute_dtype``, ``x`` is rounded to it on entry, the product accumulates in fp32 and
-    comes back in ``x``'s dtype, and the bias is added in ``x``'s dtype. The dense ``weight`` stays the module's
-    parameter (what the model's state and shapes are read from), so a packed or converted path holds the
-    projection weights twice."""
+    ``x`` of the weight's or the compute dtype. With a ``compute_dtype`` other than the weight's (bf16 for an
+    fp32 model), the weight is held in ``compute_dtype``, ``x`` is rounded to it on entry (unless it comes in it)
+    and the product accumulates in fp32. The result comes back in ``out_dtype`` (default: ``x``'s), the bias
+    added in that dtype: a bf16 result can go straight into the next bf16 product or into the fp32 residual
+    stream, which saves a conversion pass each way. The dense ``weight`` stays the module's parameter (what the
+    model's state and shapes are read from), so a packed or converted path holds the projection weights twice."""
 
     __slots__ = ("path", "weight", "bias", "compute_dtype", "_packed")
 
@@ -56,11 +57,12 @@ class PackedWeight:
         packed = path is GemmPath.ONEDNN_PACKED
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight) if packed else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype != x.dtype:
-            y = self._product(x.to(self.compute_dtype), None).to(x.dtype)
-            return y if self.bias is None else y.add_(self.bias)
-        return self._product(x, self.bias)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        if x.dtype == self.compute_dtype == out_dtype and (self.bias is None or self.bias.dtype == out_dtype):
+            return self._product(x, self.bias)
+        y = self._product(x.to(self.compute_dtype), None).to(out_dtype)
+        return y if self.bias is None else y.add_(self.bias)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.path is GemmPath.ONEDNN_PACKED:

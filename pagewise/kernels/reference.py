@@ -134,11 +134,17 @@ def paged_attention(
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x²) + eps)`` over the last dimension, computed in fp32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x²) + eps)`` over the last dimension, computed in fp32; the result in
+    ``out_dtype`` (default: ``x``'s), converted once at the end."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return (weight * h.to(x.dtype)).to(out_dtype or x.dtype)
+
+
+def residual_add(residual: torch.Tensor, delta: torch.Tensor) -> None:
+    """``residual += delta`` in place, ``delta`` converted to the residual's dtype first."""
+    residual.add_(delta.to(residual.dtype))
 
 
 def rotary_embedding(
@@ -157,9 +163,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a ``[rows, 2 * size]`` input holding gate then up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
+    """``silu(gate) * up`` of a ``[rows, 2 * size]`` input holding gate then up, computed in fp32 and returned in
+    the input's dtype (a bf16 result rounded once)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return F.silu(gate).mul_(up).to(gate_up.dtype)
 
 
 def copy_blocks(

@@ -49,8 +49,17 @@ class Linear(nn.Linear):
         plain = path is GemmPath.TORCH and compute_dtype in (None, self.weight.dtype)
         self._gemm = None if plain else PackedWeight(path, self.weight.detach(), bias, compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self._gemm is None else self._gemm(x)
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the product: an input in it is taken as it is, and an output in it is not converted."""
+        return self.weight.dtype if self._gemm is None else self._gemm.compute_dtype
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x Wᵀ + b`` in ``out_dtype`` (default: ``x``'s)."""
+        if self._gemm is not None:
+            return self._gemm(x, out_dtype)
+        y = F.linear(x, self.weight, self.bias)
+        return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -59,8 +68,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, out_dtype)
 
 
 def _inverse_frequencies(arch: ModelArchConfig) -> torch.Tensor:
@@ -121,8 +130,11 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """Attention of ``hidden`` (the normed residual rows, in the model's or the projections' dtype); the
+        result in the projections' dtype, to be added to the residual stream."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        model_dtype = self.o_proj.weight.dtype  # rotary, the cache write and attention run in it
+        q, k, v = self.qkv_proj(hidden, model_dtype).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -132,7 +144,7 @@ class Attention(nn.Module):
         out = kernels.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), self.o_proj.compute_dtype)
 
 
 class MLP(nn.Module):
@@ -142,7 +154,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        """The MLP of ``x`` (normed rows), kept in the projections' dtype from end to end."""
+        gate_up = self.gate_up_proj(x, self.gate_up_proj.compute_dtype)
+        return self.down_proj(kernels.silu_and_mul(gate_up), self.down_proj.compute_dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -157,12 +171,16 @@ class DecoderLayer(nn.Module):
         return self.feed_forward(self.attend(hidden, rotary, positions, kv_cache, meta))
 
     def attend(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
-        """The attention half: ``hidden`` plus attention over the paged cache (in place)."""
-        return hidden.add_(self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta))
+        """The attention half: ``hidden`` plus attention over the paged cache (in place). The residual stream
+        stays in the model's dtype; the normed rows go to the projections in theirs."""
+        normed = self.input_layernorm(hidden, self.self_attn.qkv_proj.compute_dtype)
+        kernels.residual_add(hidden, self.self_attn(normed, rotary, positions, kv_cache, meta))
+        return hidden
 
     def feed_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """The MLP half, row by row independent: ``rows`` plus the MLP of their norm (in place)."""
-        return rows.add_(self.mlp(self.post_attention_layernorm(rows)))
+        kernels.residual_add(rows, self.mlp(self.post_attention_layernorm(rows, self.mlp.gate_up_proj.compute_dtype)))
+        return rows
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,9 +1,11 @@
 // Compiled CPU ops: decode attention that reads K/V blocks in place, the cache write, and the fused per-token
-// ops of a decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply), each one pass over its rows.
+// ops of a decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its
+// rows.
 //
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
-// Activations are float32. The KV cache is float32 or bfloat16: a bf16 cache is read as float32 (a bf16 value is
+// Activations are float32, except where an op says it takes or gives the bf16 input or output of a bf16
+// projection (RMSNorm's output, SiLU-and-multiply, the residual add's delta). The KV cache is float32 or bfloat16: a bf16 cache is read as float32 (a bf16 value is
 // the top half of a float32's bits) and written rounded to nearest even, as torch's conversion rounds; the
 // attention itself computes in float32 either way. Callers fall back to the torch reference for other dtypes.
 //
@@ -19,13 +21,18 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 #define PAGEWISE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// A float32 stored in a cache element: itself, or rounded to the nearest bf16 (ties to even; no NaNs arise
+// A float32 stored in a cache or bf16 activation element: itself, or rounded to the nearest bf16 (ties to even; no NaNs arise
 // under -ffast-math, and infinities stay infinite).
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) {
@@ -53,6 +60,24 @@ inline void prefetch_block(const T* cache, const int32_t* table, int64_t t, int6
         block_rows(cache, table, t, block_stride, head_offset, block_size, head_dim));
     const int64_t bytes = std::min(block_size, context_len - t) * head_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(rows + line);
+}
+
+#ifndef PAGEWISE_PREFETCH_BLOCKS
+#define PAGEWISE_PREFETCH_BLOCKS 1
+#endif
+// How many blocks ahead of the one being computed a pass over a sequence's cache asks for: one block of one kv
+// head (a few KB) takes less time to compute than to arrive from memory, so several must be on their way.
+constexpr int64_t PREFETCH_BLOCKS = PAGEWISE_PREFETCH_BLOCKS;
+
+// The rows the pass at token `t` (the first of a run inside its block) will want `PREFETCH_BLOCKS` blocks later;
+// at `t` = 0 every block up to there, so a pass starts with its first blocks on their way.
+template <typename T>
+inline void prefetch_ahead(const T* cache, const int32_t* table, int64_t t, int64_t context_len,
+                           int64_t block_stride, int64_t head_offset, int64_t block_size, int64_t head_dim) {
+    const int64_t block = t / block_size;
+    for (int64_t b = t == 0 ? 1 : PREFETCH_BLOCKS; b <= PREFETCH_BLOCKS; ++b)
+        prefetch_block(cache, table, (block + b) * block_size, context_len, block_stride, head_offset, block_size,
+                       head_dim);
 }
 
 // Rows of a bf16 cache as float32, `n` elements from `src` into `dst`: a bf16 is the top half of a float32's
@@ -89,7 +114,7 @@ inline __attribute__((always_inline)) void attend_body(const float* queries, con
     for (int64_t t = 0; t < context_len;) {
         const T* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);  // contiguous rows from t
-        prefetch_block(key_cache, table, t + run, context_len, block_stride, head_offset, block_size, head_dim);
+        prefetch_ahead(key_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
             const float* k0 = as_float(k + i * head_dim, 4 * head_dim, tile);
@@ -138,7 +163,7 @@ inline __attribute__((always_inline)) void attend_body(const float* queries, con
     for (int64_t t = 0; t < context_len;) {
         const T* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
         const int64_t run = std::min(block_size - t % block_size, context_len - t);
-        prefetch_block(value_cache, table, t + run, context_len, block_stride, head_offset, block_size, head_dim);
+        prefetch_ahead(value_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
         int64_t i = 0;
         for (; i + 4 <= run; i += 4) {
             const float* v0 = as_float(v + i * head_dim, 4 * head_dim, tile);
@@ -179,6 +204,147 @@ void attend_unit(const float* queries, const uint16_t* key_cache, const uint16_t
     attend_body(queries, key_cache, value_cache, table, context_len, kv_head, num_kv_heads, block_size, head_dim,
                 group, scale, scores, tile, out);
 }
+
+#if defined(__x86_64__)
+// ---- decode attention over a bf16 cache with AVX512-BF16 dot products (Zen 4, Sapphire Rapids and later)
+//
+// The query is rounded to bf16 once per unit (the scale folded in first); each score is then a sum of exact
+// products of two bf16 values accumulated in float32 (`vdpbf16ps`), and the cache's key rows are used as they lie,
+// never widened. Sixteen tokens' partial sums are reduced together (a transpose-and-add tree, about three
+// instructions per score instead of a horizontal sum each). The softmax runs in float32 with a vectorized exp, and
+// the values are widened to float32 and accumulated with the exact float32 probabilities. So the result is the
+// float32 attention of the bf16-rounded query over the cache, summed in another order.
+#define PAGEWISE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+bool cpu_has_bf16_dot() {
+    static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+    return has;
+}
+
+// e^x for x <= 0 (scores minus their peak): x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
+// polynomial (relative error under 2e-7), times 2^n by `scalef`; below -87 the result is 0 or a tiny normal.
+PAGEWISE_BF16_DOT inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Lane j of the result: the sum of the sixteen lanes of v[j].
+PAGEWISE_BF16_DOT inline __m512 sum_lanes_of_16(const __m512* v) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] partials at 0 and 2, v[2i+1] at 1 and 3
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i .. 4i+3] one partial each
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+// Sixteen float32 partial sums of a key row (`pairs` * 32 bf16) times a query row (as many bf16 pairs).
+PAGEWISE_BF16_DOT inline __m512 dot_bf16(const uint16_t* k, const __m512bh* q, int64_t pairs) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < pairs; ++c) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return acc;
+}
+
+// One (sequence, kv head) unit as `attend_body`, for a bf16 cache with head_dim a multiple of 32 (at most 256)
+// and at most 8 query heads per kv head. `scores` holds group * context_len floats, `tile` 16 * head_dim.
+PAGEWISE_BF16_DOT
+void attend_unit_bf16_dot(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache,
+                          const int32_t* table, int64_t context_len, int64_t kv_head, int64_t num_kv_heads,
+                          int64_t block_size, int64_t head_dim, int64_t group, float scale, float* scores,
+                          float* tile, float* out) {
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t head_offset = kv_head * block_size * head_dim;
+    const int64_t pairs = head_dim / 32;  // 32 bf16 per dot-product instruction
+    __m512bh q[8][8];
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < pairs; ++c) {
+            const float* row = queries + g * head_dim + 32 * c;
+            q[g][c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + 16), _mm512_set1_ps(scale)),
+                                          _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(scale)));
+        }
+    for (int64_t t = 0; t < context_len;) {
+        const uint16_t* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const int64_t run = std::min(block_size - t % block_size, context_len - t);
+        prefetch_ahead(key_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
+        int64_t i = 0;
+        for (; i + 16 <= run; i += 16) {
+            for (int64_t g = 0; g < group; ++g) {
+                __m512 partial[16];
+                for (int j = 0; j < 16; ++j) partial[j] = dot_bf16(k + (i + j) * head_dim, q[g], pairs);
+                _mm512_storeu_ps(scores + g * context_len + t + i, sum_lanes_of_16(partial));
+            }
+        }
+        for (; i < run; ++i)
+            for (int64_t g = 0; g < group; ++g)
+                scores[g * context_len + t + i] = _mm512_reduce_add_ps(dot_bf16(k + i * head_dim, q[g], pairs));
+        t += run;
+    }
+    prefetch_block(value_cache, table, 0, context_len, block_stride, head_offset, block_size, head_dim);
+    const int64_t full = context_len & ~int64_t{15};
+    for (int64_t g = 0; g < group; ++g) {
+        float* row = scores + g * context_len;
+        __m512 peak16 = _mm512_set1_ps(-std::numeric_limits<float>::max());
+        for (int64_t t = 0; t < full; t += 16) peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
+        float peak = _mm512_reduce_max_ps(peak16);
+        for (int64_t t = full; t < context_len; ++t) peak = std::max(peak, row[t]);
+        const __m512 peaks = _mm512_set1_ps(peak);
+        __m512 total16 = _mm512_setzero_ps();
+        for (int64_t t = 0; t < context_len; t += 16) {
+            const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peaks));
+            _mm512_mask_storeu_ps(row + t, live, e);
+            total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(live, e));
+        }
+        const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+        for (int64_t t = 0; t < context_len; t += 16) {
+            const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
+            _mm512_mask_storeu_ps(row + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + t), inverse));
+        }
+        std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
+    }
+    const int64_t chunks = head_dim / 16;
+    for (int64_t t = 0; t < context_len;) {
+        const uint16_t* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const int64_t run = std::min(block_size - t % block_size, context_len - t);
+        prefetch_ahead(value_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
+        for (int64_t i = 0; i < run; i += 16) {
+            const int64_t rows = std::min<int64_t>(16, run - i);
+            for (int64_t j = 0; j < rows * chunks; ++j)  // widen: a bf16 is the top half of a float32
+                _mm512_storeu_ps(tile + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i * head_dim + 16 * j))), 16)));
+            for (int64_t g = 0; g < group; ++g) {
+                const float* p = scores + g * context_len + t + i;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    float* o = out + g * head_dim + 16 * c;
+                    __m512 acc = _mm512_loadu_ps(o);
+                    for (int64_t j = 0; j < rows; ++j)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(tile + j * head_dim + 16 * c), acc);
+                    _mm512_storeu_ps(o, acc);
+                }
+            }
+        }
+        t += run;
+    }
+}
+#endif
 
 // A cache's elements as `T` (float for a float32 cache, uint16_t for a bf16 one).
 template <typename T>
@@ -223,7 +389,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
     auto attend_all = [&](const auto* k_ptr, const auto* v_ptr) {
         at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> scores(group * longest), tile(4 * head_dim);
+            std::vector<float> scores(group * longest), tile(16 * head_dim);
             for (int64_t unit = begin; unit < end; ++unit) {
                 const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
                 const int64_t row = (s * num_heads + h * group) * head_dim;
@@ -234,6 +400,22 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
         });
     };
     if (key_cache.scalar_type() == at::kBFloat16) {
+#if defined(__x86_64__)
+        if (cpu_has_bf16_dot() && head_dim % 32 == 0 && head_dim <= 256 && group <= 8) {
+            at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+                std::vector<float> scores(group * longest + 16), tile(16 * head_dim);
+                for (int64_t unit = begin; unit < end; ++unit) {
+                    const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
+                    const int64_t row = (s * num_heads + h * group) * head_dim;
+                    attend_unit_bf16_dot(q_ptr + row, elements<const uint16_t>(key_cache),
+                                         elements<const uint16_t>(value_cache), table_ptr + s * max_blocks,
+                                         len_ptr[s], h, num_kv_heads, block_size, head_dim, group,
+                                         static_cast<float>(scale), scores.data(), tile.data(), out_ptr + row);
+                }
+            });
+            return out;
+        }
+#endif
         attend_all(elements<const uint16_t>(key_cache), elements<const uint16_t>(value_cache));
     } else {
         attend_all(elements<const float>(key_cache), elements<const float>(value_cache));
@@ -286,34 +468,102 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     }
 }
 
-// ---- fused per-token ops (float32, one parallel pass over rows)
+// ---- fused per-token ops (computed in float32, one parallel pass over rows)
+//
+// Activations between two projections may be bf16 (under dtype auto, where the projections run in bf16): such a
+// row is widened to float32 on load and rounded to nearest even on store, inside the op's own loop, so the
+// result is bit for bit the float32 op followed by torch's conversion, without a separate pass over the row.
 
-PAGEWISE_CLONES
-void rms_norm_row(const float* x, const float* weight, float eps, int64_t size, float* out) {
+// An activation row element as float32 (a float, or a bf16's bits).
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+    const uint32_t word = static_cast<uint32_t>(x) << 16;
+    float out;
+    std::memcpy(&out, &word, sizeof out);
+    return out;
+}
+
+template <typename Out>
+inline __attribute__((always_inline)) void rms_norm_body(const float* x, const float* weight, float eps,
+                                                         int64_t size, Out* out) {
     float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
     for (int64_t i = 0; i < size; ++i) squares += x[i] * x[i];
     const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < size; ++i) out[i] = weight[i] * (x[i] * inverse);
+    for (int64_t i = 0; i < size; ++i) narrow(weight[i] * (x[i] * inverse), out + i);
 }
 
-// out = weight * x / sqrt(mean(x^2) + eps), row by row over the last dimension of a 2-D x.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+PAGEWISE_CLONES
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t size, float* out) {
+    rms_norm_body(x, weight, eps, size, out);
+}
+
+PAGEWISE_CLONES
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t size, uint16_t* out) {
+    rms_norm_body(x, weight, eps, size, out);
+}
+
+// out = weight * x / sqrt(mean(x^2) + eps), row by row over the last dimension of a 2-D float32 x; the result in
+// `out_dtype` (float32, the default, or bfloat16: the float32 result rounded to nearest even).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() == 2,
                 "rms_norm takes a float32 [rows, size] input and weight");
     TORCH_CHECK(weight.numel() == x.size(1), "rms_norm weight size differs from the rows'");
+    const at::ScalarType dtype = out_dtype.value_or(at::kFloat);
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rms_norm writes float32 or bfloat16");
     const auto in = x.contiguous();
     const auto w = weight.contiguous();
-    auto out = at::empty_like(in);
+    auto out = at::empty(in.sizes(), in.options().dtype(dtype));
     const int64_t rows = in.size(0), size = in.size(1);
     const float *in_ptr = in.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
-    float* out_ptr = out.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-            rms_norm_row(in_ptr + r * size, w_ptr, static_cast<float>(eps), size, out_ptr + r * size);
-    });
+    auto norm_all = [&](auto* out_ptr) {
+        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r)
+                rms_norm_row(in_ptr + r * size, w_ptr, static_cast<float>(eps), size, out_ptr + r * size);
+        });
+    };
+    if (dtype == at::kBFloat16) {
+        norm_all(reinterpret_cast<uint16_t*>(out.data_ptr()));
+    } else {
+        norm_all(out.data_ptr<float>());
+    }
     return out;
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void add_rows_body(float* residual, const T* delta, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) residual[i] += widen(delta[i]);
+}
+
+PAGEWISE_CLONES
+void add_rows(float* residual, const float* delta, int64_t n) { add_rows_body(residual, delta, n); }
+
+PAGEWISE_CLONES
+void add_rows(float* residual, const uint16_t* delta, int64_t n) { add_rows_body(residual, delta, n); }
+
+// residual += delta in place: a contiguous float32 residual stream and a delta of its shape in float32 or bfloat16
+// (widened exactly), so a bf16 projection's output joins the stream without a converted copy.
+void residual_add(at::Tensor& residual, const at::Tensor& delta) {
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(),
+                "residual_add takes a contiguous float32 residual");
+    TORCH_CHECK(delta.sizes() == residual.sizes() &&
+                    (delta.scalar_type() == at::kFloat || delta.scalar_type() == at::kBFloat16),
+                "residual_add takes a float32 or bfloat16 delta of the residual's shape");
+    const auto d = delta.contiguous();
+    float* r_ptr = residual.data_ptr<float>();
+    const int64_t n = residual.numel();
+    auto add_all = [&](const auto* d_ptr) {
+        at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+            add_rows(r_ptr + begin, d_ptr + begin, end - begin);
+        });
+    };
+    if (d.scalar_type() == at::kBFloat16) {
+        add_all(reinterpret_cast<const uint16_t*>(d.data_ptr()));
+    } else {
+        add_all(d.data_ptr<float>());
+    }
 }
 
 PAGEWISE_CLONES
@@ -355,25 +605,45 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     });
 }
 
-PAGEWISE_CLONES
-void silu_and_mul_row(const float* gate, const float* up, int64_t size, float* out) {
+template <typename T>
+inline __attribute__((always_inline)) void silu_and_mul_body(const T* gate, const T* up, int64_t size, T* out) {
 #pragma omp simd
-    for (int64_t i = 0; i < size; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    for (int64_t i = 0; i < size; ++i) {
+        const float g = widen(gate[i]);
+        narrow(g / (1.f + std::exp(-g)) * widen(up[i]), out + i);
+    }
 }
 
-// [rows, 2 * size] (gate then up) -> silu(gate) * up, [rows, size].
+PAGEWISE_CLONES
+void silu_and_mul_row(const float* gate, const float* up, int64_t size, float* out) {
+    silu_and_mul_body(gate, up, size, out);
+}
+
+PAGEWISE_CLONES
+void silu_and_mul_row(const uint16_t* gate, const uint16_t* up, int64_t size, uint16_t* out) {
+    silu_and_mul_body(gate, up, size, out);
+}
+
+// [rows, 2 * size] (gate then up) -> silu(gate) * up, [rows, size], in the input's dtype (float32 or bfloat16;
+// computed in float32, a bf16 result rounded once to nearest even).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-    TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
-                "silu_and_mul takes a float32 [rows, 2 * size] input");
+    TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
+                    gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+                "silu_and_mul takes a float32 or bfloat16 [rows, 2 * size] input");
     const auto in = gate_up.contiguous();
     const int64_t rows = in.size(0), size = in.size(1) / 2;
     auto out = at::empty({rows, size}, in.options());
-    const float* in_ptr = in.data_ptr<float>();
-    float* out_ptr = out.data_ptr<float>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-            silu_and_mul_row(in_ptr + r * 2 * size, in_ptr + r * 2 * size + size, size, out_ptr + r * size);
-    });
+    auto run_all = [&](const auto* in_ptr, auto* out_ptr) {
+        at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r)
+                silu_and_mul_row(in_ptr + r * 2 * size, in_ptr + r * 2 * size + size, size, out_ptr + r * size);
+        });
+    };
+    if (in.scalar_type() == at::kBFloat16) {
+        run_all(reinterpret_cast<const uint16_t*>(in.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()));
+    } else {
+        run_all(in.data_ptr<float>(), out.data_ptr<float>());
+    }
     return out;
 }
 
@@ -384,7 +654,8 @@ TORCH_LIBRARY(pagewise_cpu, m) {
           "Tensor seq_lens, float scale) -> Tensor");
     m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
           "Tensor slot_mapping) -> ()");
-    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
+    m.def("residual_add(Tensor(a!) residual, Tensor delta) -> ()");
     m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
@@ -393,6 +664,7 @@ TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
     m.impl("paged_attention_decode", &paged_attention_decode);
     m.impl("reshape_and_cache", &reshape_and_cache);
     m.impl("rms_norm", &rms_norm);
+    m.impl("residual_add", &residual_add);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagewise import kernels
-from pagewise.kernels import cpu_build, cpu_ops, reference
+from pagewise.kernels import cpu_build, cpu_ops, gemm, reference
 from tests.unit.kernels.test_reference import CASES, check_against_dense
 
 
@@ -75,17 +75,57 @@ def test_reshape_and_cache_matches_reference() -> None:
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
+def rounds_query_to_bf16(head_dim: int, group: int) -> bool:
+    """Whether the compiled decode over a bf16 cache takes its AVX512-BF16 path on this CPU for these shapes: it
+    then computes the attention of the scaled query rounded to bf16 (products of two bf16 values, exact in
+    float32)."""
+    flags = gemm.cpu_signature().partition(" | ")[2].split()
+    return "avx512_bf16" in flags and "avx512bw" in flags and head_dim % 32 == 0 and head_dim <= 256 and group <= 8
+
+
+def expected_over_bf16_cache(batch) -> torch.Tensor:  # noqa: ANN001
+    """The reference over the batch's caches in bf16, with the decode rows' queries rounded as the compiled path
+    rounds them here (prefill rows run the reference's own attention, which does not round)."""
+    num_heads, num_kv_heads, head_dim = batch.query.shape[1], batch.key_cache.shape[1], batch.query.shape[2]
+    query = batch.query.clone()
+    if rounds_query_to_bf16(head_dim, num_heads // num_kv_heads):
+        starts = batch.query_start_loc.tolist()
+        for s in range(len(starts) - 1):
+            if starts[s + 1] - starts[s] == 1:
+                query[starts[s]] = (query[starts[s]] * batch.scale).bfloat16().float() / batch.scale
+    clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+    return reference.paged_attention(
+        query, *clean, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_attention_over_a_bf16_cache_matches_reference(case: str, paged_batch) -> None:
     """fp32 queries over a bf16 cache (``dtype=auto``'s): the compiled path reads the cache as the reference
-    does (widened to fp32), so the two agree to fp32 rounding, decode and prefill rows alike."""
+    does (widened to fp32; with AVX512-BF16 the decode rows' scaled query is rounded to bf16 once), so the two
+    agree to fp32 rounding, decode and prefill rows alike."""
     batch = paged_batch(*CASES[case], seed=hash(case) % 1000 + 1)
     caches = [cache.bfloat16() for cache in batch.poisoned_caches()]  # NaN stays NaN: unused slots still poison
     out = batch.attend(cpu_ops.paged_attention, *caches)
-    clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
-    expected = batch.attend(reference.paged_attention, *clean)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected_over_bf16_cache(batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_over_a_bf16_cache_random_shapes(seed: int, paged_batch) -> None:
+    """Decode batches over bf16 caches on random GQA shapes, block sizes and lengths (contexts that end inside
+    a block and inside a run of sixteen tokens; head dims on and off the AVX512-BF16 path)."""
+    rng = random.Random(100 + seed)
+    num_kv_heads, group = rng.choice([1, 2, 3]), rng.choice([1, 3, 4, 8, 9])
+    block_size = rng.choice([4, 8, 16, 32, 64])
+    seq_lens = [rng.randint(1, 6 * block_size) for _ in range(rng.randint(1, 24))]
+    batch = paged_batch(
+        seq_lens, [1] * len(seq_lens), num_kv_heads * group, num_kv_heads, rng.choice([32, 64, 80, 128]),
+        block_size, seed=seed,
+    )
+    caches = [cache.bfloat16() for cache in batch.poisoned_caches()]
+    out = batch.attend(cpu_ops.paged_attention, *caches)
+    torch.testing.assert_close(out, expected_over_bf16_cache(batch), rtol=1e-5, atol=1e-5)
 
 
 def test_reshape_and_cache_into_bf16_rounds_as_torch_does() -> None:
@@ -150,6 +190,12 @@ def test_fused_layer_ops_match_reference() -> None:
     gate_up = torch.randn(37, 2 * 1536, generator=gen) * 4
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
 
+    residual, delta = torch.randn(37, 576, generator=gen), torch.randn(37, 576, generator=gen)
+    expected = residual.clone()
+    reference.residual_add(expected, delta)
+    cpu_ops.residual_add(residual, delta)
+    assert torch.equal(residual, expected)
+
     # query and key as the QKV split gives them: strided views of one projection output
     heads, kv_heads, dim, max_positions = 9, 3, 64, 300
     qkv = torch.randn(37, (heads + 2 * kv_heads) * dim, generator=gen)
@@ -167,6 +213,37 @@ def test_fused_layer_ops_match_reference() -> None:
 
     with pytest.raises(RuntimeError, match="position out of the rotary tables"):
         cpu_ops.rotary_embedding(positions + max_positions, q, k, cos, sin)
+
+
+def test_bf16_outputs_and_inputs_are_the_float32_op_rounded_once() -> None:
+    """Under dtype auto the layer ops meet bf16 projections: RMSNorm writes bf16, SiLU-and-multiply reads and
+    writes it, the residual add reads a bf16 delta. Each equals the float32 op on the widened input with its
+    result rounded to nearest even once (bit for bit where the float32 ops agree bit for bit)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(29, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen)
+    normed = cpu_ops.rms_norm(x, weight, 1e-5, torch.bfloat16)
+    assert normed.dtype == torch.bfloat16
+    assert torch.equal(normed, cpu_ops.rms_norm(x, weight, 1e-5).bfloat16())
+    assert torch.equal(normed, reference.rms_norm(x, weight, 1e-5, torch.bfloat16))
+
+    gate_up = (torch.randn(29, 2 * 1536, generator=gen) * 4).bfloat16()
+    got = cpu_ops.silu_and_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, reference.silu_and_mul(gate_up), rtol=2**-8, atol=1e-6)  # one bf16 ulp
+    assert torch.equal(got, cpu_ops.silu_and_mul(gate_up.float()).bfloat16())
+
+    residual, delta = torch.randn(29, 576, generator=gen), torch.randn(29, 576, generator=gen).bfloat16()
+    expected = residual + delta.float()
+    cpu_ops.residual_add(residual, delta)
+    assert torch.equal(residual, expected)
+
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_ops.rms_norm(x, weight, 1e-5, torch.float16)
+    with pytest.raises(RuntimeError, match="of the residual's shape"):
+        cpu_ops.residual_add(residual, delta[:3])
+    assert kernels.backend_for(gate_up, dtypes=(torch.float32, torch.bfloat16)) == "cpu"
+    assert kernels.backend_for(gate_up) == "torch"
 
 
 def test_forcing_the_compiled_backend_loads_it_or_says_why(monkeypatch, tmp_path) -> None:
