@@ -263,6 +263,34 @@ PAGEWISE_BF16_DOT inline __m512 dot_bf16(const uint16_t* k, const __m512bh* q, i
     return acc;
 }
 
+// o += sum over j < rows of p[j] * row j of `tile` (rows of 16 * C floats), the C output vectors held in
+// registers across the rows: C independent chains of multiply-adds instead of one chain per output vector.
+template <int C>
+PAGEWISE_BF16_DOT inline void accumulate_rows_of(const float* p, const float* tile, int64_t rows, float* o) {
+    __m512 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + 16 * c);
+    for (int64_t j = 0; j < rows; ++j) {
+        const __m512 weight = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(tile + (j * C + c) * 16), acc[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+}
+
+// `accumulate_rows_of` for a head of `chunks` (an even number up to 16) vectors of 16 floats.
+PAGEWISE_BF16_DOT inline void accumulate_rows(const float* p, const float* tile, int64_t rows, int64_t chunks,
+                                              float* o) {
+    switch (chunks) {
+        case 2: return accumulate_rows_of<2>(p, tile, rows, o);
+        case 4: return accumulate_rows_of<4>(p, tile, rows, o);
+        case 6: return accumulate_rows_of<6>(p, tile, rows, o);
+        case 8: return accumulate_rows_of<8>(p, tile, rows, o);
+        case 10: return accumulate_rows_of<10>(p, tile, rows, o);
+        case 12: return accumulate_rows_of<12>(p, tile, rows, o);
+        case 14: return accumulate_rows_of<14>(p, tile, rows, o);
+        default: return accumulate_rows_of<16>(p, tile, rows, o);
+    }
+}
+
 // One (sequence, kv head) unit as `attend_body`, for a bf16 cache with head_dim a multiple of 32 (at most 256)
 // and at most 8 query heads per kv head. `scores` holds group * context_len floats, `tile` 16 * head_dim.
 PAGEWISE_BF16_DOT
@@ -330,16 +358,8 @@ void attend_unit_bf16_dot(const float* queries, const uint16_t* key_cache, const
             for (int64_t j = 0; j < rows * chunks; ++j)  // widen: a bf16 is the top half of a float32
                 _mm512_storeu_ps(tile + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(
                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i * head_dim + 16 * j))), 16)));
-            for (int64_t g = 0; g < group; ++g) {
-                const float* p = scores + g * context_len + t + i;
-                for (int64_t c = 0; c < chunks; ++c) {
-                    float* o = out + g * head_dim + 16 * c;
-                    __m512 acc = _mm512_loadu_ps(o);
-                    for (int64_t j = 0; j < rows; ++j)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(tile + j * head_dim + 16 * c), acc);
-                    _mm512_storeu_ps(o, acc);
-                }
-            }
+            for (int64_t g = 0; g < group; ++g)
+                accumulate_rows(scores + g * context_len + t + i, tile, rows, chunks, out + g * head_dim);
         }
         t += run;
     }
