@@ -19,6 +19,7 @@ _EXPORTS = {
     "LLM": "pagewise.engine.llm",
     "LLMEngine": "pagewise.engine.llm_engine",
     "Logprob": "pagewise.engine.outputs",
+    "LoRARequest": "pagewise.engine.lora_request",
     "RequestOutput": "pagewise.engine.outputs",
     "RequestUsage": "pagewise.engine.outputs",
     "SamplingParams": "pagewise.engine.sampling_params",
@@ -34,6 +35,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from pagewise.engine.config import EngineConfig
     from pagewise.engine.llm import LLM
     from pagewise.engine.llm_engine import LLMEngine
+    from pagewise.engine.lora_request import LoRARequest
     from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestUsage
     from pagewise.engine.sampling_params import SamplingParams
     from pagewise.engine.structured_outputs import StructuredOutputsParams

@@ -58,6 +58,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="matmul path of the projections: auto (default: the fastest here, timed once per CPU kind), torch or "
         "onednn-packed; `pagewise bench gemm` times them",
     )
+    group.add_argument(
+        "--enable-lora", action="store_true", default=None, help="serve LoRA adapters batched with the base model"
+    )
+    group.add_argument("--max-loras", type=int, help="adapters resident at once (4)")
+    group.add_argument("--max-lora-rank", type=int, help="the highest adapter rank accepted (16)")
+    group.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (max(max_loras, 32))")
     group.add_argument("--device", help="cpu or cuda[:N]")
     group.add_argument("--seed", type=int)
     group.add_argument("--cache-dir", help="where converted weights are cached")
@@ -125,6 +131,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
             faults,
             gemm,
             kernels,
+            lora,
             parallel_sampling,
             prefix,
             serving,
@@ -136,7 +143,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
 
         modules = (
             throughput, prefix, capacity, parallel_sampling, kernels, serving, fairness, step, tracing_bench, gemm,
-            faults, versus_vllm, batch,
+            faults, versus_vllm, batch, lora,
         )
         for module in modules:
             module.register(bench)

@@ -59,6 +59,9 @@ class EngineConfig:
     - ``dtype``: ``auto`` (bf16 projections and KV cache where the CPU multiplies bf16 natively, fp32 elsewhere;
       see ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
       greedy outputs equal HF transformers' fp32 token for token.
+    - ``enable_lora``: serve LoRA adapters (``LoRARequest``) batched with the base model: ``max_loras`` adapters
+      resident at once (slots; least recently used evicted), of rank at most ``max_lora_rank``, and host copies
+      of up to ``max_cpu_loras`` (None: ``max(max_loras, 32)``) for quick reloads (``adapter_slots``).
     - ``enable_step_interrupts``: a step may be paused between two parts of a layer for a short step of requests owed
       service ahead of it (a better priority class, or under ``fair`` a tenant far below the paused step's
       tenants; see ``scheduler``), of at most ``interrupt_max_num_batched_tokens`` tokens, at most
@@ -88,6 +91,10 @@ class EngineConfig:
     interrupt_max_num_batched_tokens: int = 256
     max_interrupts_per_step: int = 4
     force_step_interrupts: bool = False
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -118,6 +125,12 @@ class EngineConfig:
             fail(f"interrupt_max_num_batched_tokens must be >= 1, got {self.interrupt_max_num_batched_tokens}")
         if not is_int(self.max_interrupts_per_step) or self.max_interrupts_per_step < 0:
             fail(f"max_interrupts_per_step must be >= 0, got {self.max_interrupts_per_step}")
+        if not is_int(self.max_loras) or self.max_loras < 1:
+            fail(f"max_loras must be >= 1, got {self.max_loras}")
+        if not is_int(self.max_lora_rank) or not 1 <= self.max_lora_rank <= 512:
+            fail(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and not (is_int(self.max_cpu_loras) and self.max_cpu_loras >= 1):
+            fail(f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
         if self.preemption_mode not in ("recompute", "swap"):
             fail(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in POLICIES:
@@ -145,6 +158,9 @@ class EngineConfig:
         if not self.device.startswith("cuda") and cpu_has_native_bf16():
             return Precision(torch.float32, torch.bfloat16, torch.bfloat16)
         return Precision.uniform(torch.float32)
+
+    def resolve_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 32)
 
     def resolve_max_model_len(self, model_context_len: int) -> int:
         """``max_model_len`` checked against the model's context window (or derived from it)."""

@@ -15,6 +15,7 @@ from pagewise.engine.errors import InvalidRequestError
 from pagewise.engine.limits import check_priority
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
 from pagewise.engine.loader import DEFAULT_MODEL
+from pagewise.engine.lora_request import LoRARequest
 from pagewise.engine.outputs import RequestOutput
 from pagewise.engine.sampling_params import SamplingParams
 
@@ -45,10 +46,12 @@ class LLM:
         tenant_id: str | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order. A prompt is a ``str`` or a list of token
-        ids; ``priority`` (vLLM's), one per prompt, lower first. All prompts are validated before any is queued,
-        so a bad one leaves the engine untouched. A request failing inside the engine raises its
+        ids; ``priority`` (vLLM's), one per prompt, lower first; ``lora_request`` (vLLM's), one for all prompts or
+        one per prompt (None: the base model) — needs ``enable_lora=True``. All prompts and adapters are validated
+        before any is queued, so a bad one leaves the engine untouched. A request failing inside the engine raises its
         ``RequestFailedError`` (a failed step, ``StepFailedError``) and aborts the rest of the batch."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
@@ -58,11 +61,19 @@ class LLM:
         for value in priorities:
             check_priority(value)
         token_ids = [self.engine.process_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
+        adapters = _per_prompt_adapter(lora_request, len(batch))
+        for adapter in adapters:
+            if adapter is not None:
+                self.engine.register_adapter(adapter)
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         try:
-            for request_id, prompt, tokens, p, rank in zip(ids, batch, token_ids, params, priorities, strict=True):
+            for request_id, prompt, tokens, p, rank, adapter in zip(
+                ids, batch, token_ids, params, priorities, adapters, strict=True
+            ):
                 text = prompt if isinstance(prompt, str) else None
-                self.engine.add_request(request_id, tokens, p, tenant_id, prompt_text=text, priority=rank)
+                self.engine.add_request(
+                    request_id, tokens, p, tenant_id, prompt_text=text, priority=rank, lora_request=adapter
+                )
             return self._run(ids, use_tqdm)
         finally:
             for request_id in ids:
@@ -74,11 +85,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant_id: str | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, tenant_id, use_tqdm)
+        return self.generate(prompts, sampling_params, tenant_id, use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -138,3 +150,17 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
     if len(params) != count:
         raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def _per_prompt_adapter(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise InvalidRequestError(f"got {len(adapters)} lora requests for {count} prompts")
+    for adapter in adapters:
+        if adapter is not None and not isinstance(adapter, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest or None, got {adapter!r}")
+    return adapters

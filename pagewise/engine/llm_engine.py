@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pagewise.engine.adapter_slots import AdapterSlots
 from pagewise.engine.block_pool import BlockPool
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import (
@@ -41,6 +42,7 @@ from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_ac
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.limits import PromptLimits, check_priority, prompt_token_ids
 from pagewise.engine.loader import cache_root, load_model
+from pagewise.engine.lora_request import LoRARequest
 from pagewise.engine.model_runner import KVCache, ModelRunner, StepRun, profile_forward
 from pagewise.engine.models.llama import LlamaForCausalLM, skip_weight_init
 from pagewise.engine.outputs import RequestMetrics, RequestOutput, RequestUsage
@@ -100,6 +102,13 @@ class LLMEngine:
         )
         self.model.use_gemm_path(self.gemm.path, precision.matmul)
         _logger.info("matmul path %s (%s): %s", self.gemm.path, self.gemm.source, self.gemm.gflops or "not timed")
+        self.adapters = (
+            AdapterSlots(
+                self.model, config.max_loras, config.max_lora_rank, config.resolve_max_cpu_loras(), self.device
+            )
+            if config.enable_lora
+            else None
+        )
         kv_cache = self._allocate_kv_cache(budget, at_start)
         self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, kv_cache.num_swap_blocks)
@@ -112,12 +121,13 @@ class LLMEngine:
             config.scheduling_policy,
             fair_budget,
             config.interrupt_max_num_batched_tokens if config.enable_step_interrupts else None,
+            self.adapters,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sampler = Sampler(
             self.generator, lambda t: self.tokenizer.decode([t], skip_special_tokens=False), self.eos_token_ids
         )
-        self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, kv_cache, sampler, config.block_size, self.device, self.adapters)
         self.grammar = GrammarTokenizer(self.tokenizer.backend, arch.vocab_size, sorted(self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
         self._owner: dict[Request, RequestGroup] = {}
@@ -209,11 +219,14 @@ class LLMEngine:
         tenant_weight: float = 1.0,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``tenant_id`` salts its prefix-cache hashes and, with ``tenant_weight``, names its
-        share under the ``fair`` scheduling policy. With ``delta``, ``step`` reports only what is new since the
-        last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt. ``arrival_time``
-        (``time.monotonic()``, default now) is when the request arrived, for its queue time and latencies.
+        share under the ``fair`` scheduling policy. ``lora_request`` runs it under that adapter
+        (``register_adapter``; its digest salts the prefix-cache hashes too). With ``delta``, ``step`` reports only
+        what is new since the last report (the streaming form). ``prompt_text`` labels a pre-tokenized prompt.
+        ``arrival_time`` (``time.monotonic()``, default now) is when the request arrived, for its queue time and
+        latencies.
         ``priority`` (vLLM's: lower runs first) is its class: better classes are scheduled first."""
         if not (isinstance(tenant_weight, int | float) and 0 < tenant_weight <= 1e6):
             raise InvalidRequestError(f"tenant_weight must be a number in (0, 1e6], got {tenant_weight!r}")
@@ -222,6 +235,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.process_prompt(prompt, params)
+        adapter = None if lora_request is None else self.register_adapter(lora_request)
         arrival = next(self._arrivals)
         samples = []
         for index in range(params.n):
@@ -235,6 +249,7 @@ class LLMEngine:
                 group_id=request_id,
                 sample_index=index,
                 priority=priority,
+                adapter=adapter,
             )
             if sample_params.seed is not None:
                 request.generator = torch.Generator(self.device).manual_seed(sample_params.seed)
@@ -256,6 +271,17 @@ class LLMEngine:
             self._owner[sample.request] = group
         self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]], tenant_weight)
         self._num_added += 1
+
+    def register_adapter(self, lora_request: LoRARequest) -> str:
+        """Read and check ``lora_request``'s adapter (unless its id is known) and return its digest; raises
+        ``InvalidRequestError`` (``AdapterError``) for an adapter this engine cannot serve, or when LoRA is off."""
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "this engine serves no adapters: start it with enable_lora=True", param="lora_request"
+            )
+        return self.adapters.register(lora_request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
@@ -497,6 +523,14 @@ class LLMEngine:
 
     # ---- introspection
 
+    def _adapter_stats(self) -> dict[str, Any]:
+        """Adapter slots: how many, which adapters are resident (digest -> running requests), slot loads and
+        file reads so far; empty with LoRA off."""
+        slots = self.adapters
+        if slots is None:
+            return {}
+        return {"max_loras": slots.max_loras, "resident": slots.resident(), "loads": slots.loads, "reads": slots.reads}
+
     def stats(self) -> dict[str, Any]:
         """Counters, gauges and histograms (``HistogramSnapshot``s, see ``request_metrics``) with vLLM's meanings;
         under the ``fair`` policy, ``tenants`` holds each active tenant's served-token counter, weight and
@@ -525,6 +559,7 @@ class LLMEngine:
             "gemm_path_source": self.gemm.source,
             "precision": self.precision.describe(),
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
+            "lora": self._adapter_stats(),
             **self.metrics.snapshots(),
         }
 

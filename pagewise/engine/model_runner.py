@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewise import kernels
+from pagewise.engine.adapter_slots import AdapterSlots
 from pagewise.engine.kv_cache_manager import BlockOp
 from pagewise.engine.models.llama import AttentionMetadata, ForwardPass, LlamaForCausalLM
 from pagewise.engine.request import Request
@@ -127,12 +128,14 @@ class ModelRunner:
         sampler: Sampler,
         block_size: int,
         device: torch.device,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
+        self.adapters = adapters
 
     def execute(self, step: SchedulerOutput) -> dict[Request, SampleResult | Exception]:
         """Run one step whole; returns a sample for every request whose tokens are all computed after this step
@@ -149,10 +152,13 @@ class ModelRunner:
         batch = [(r, n) for r, n in step.scheduled.items() if n > 0]
         if not batch:
             return StepRun(None, {})
-        input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        input_ids, positions, slots, seq_lens, starts, row_slots = [], [], [], [], [0], []
         sample_rows: dict[Request, int] = {}
         bs = self.block_size
+        adapters = self.adapters
         for request, num_new in batch:
+            if adapters is not None:
+                row_slots += [-1 if request.adapter is None else adapters.slot_of(request.adapter)] * num_new
             begin = request.num_computed_tokens
             end = begin + num_new
             input_ids.extend(request.token_ids[begin:end])
@@ -180,6 +186,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache.layers,
             meta,
+            None if adapters is None else adapters.batch(row_slots),
         )
         return StepRun(forward, sample_rows)
 

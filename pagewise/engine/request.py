@@ -26,7 +26,8 @@ class Request:
 
     Invariants: ``num_computed_tokens <= len(token_ids)``; the KV of tokens ``[0, num_computed_tokens)`` sits in
     ``block_ids`` (slot ``block_ids[i // block_size] * block_size + i % block_size``); ``block_hashes[i]`` is the
-    chain hash of the i-th full block of ``token_ids`` (tenant salt in block 0) and never changes.
+    chain hash of the i-th full block of ``token_ids`` (tenant salt, and the adapter's digest when it runs under
+    one, in block 0: the same prompt under two adapters has different KV) and never changes.
     """
 
     request_id: str
@@ -37,6 +38,7 @@ class Request:
     group_id: str = ""
     sample_index: int = 0
     priority: int = 0  # vLLM's meaning: lower runs first
+    adapter: str | None = None  # the digest of the LoRA adapter it runs under (adapter_slots.py); None: base model
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -88,7 +90,7 @@ class Request:
         while (len(self.block_hashes) + 1) * block_size <= num_tokens:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
-            extra = (self.tenant_id,) if i == 0 else ()
+            extra = () if i else (self.tenant_id,) if self.adapter is None else (self.tenant_id, self.adapter)
             tokens = self.token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, tokens, extra))
         return self.block_hashes[: num_tokens // block_size]

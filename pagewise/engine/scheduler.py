@@ -16,6 +16,10 @@ Two policies decide the order:
   tenants have had work within ``fair_share.RECENT_STEPS`` steps, a step's budget is the shared one
   (``shared_max_num_batched_tokens``, by default the full one).
 
+Adapters: a request under a LoRA adapter starts running only when its adapter has or can get a slot
+(``adapter_slots``), and pins it while it runs; a waiting request whose adapter cannot get a slot is passed over,
+not waited for, so requests of resident adapters keep the batch full.
+
 Priorities (vLLM's ``priority``: an integer, lower runs first) come before either policy: a request of a better
 class is scheduled first and a request of the worst class running is the first victim; the policy orders requests
 within a class.
@@ -38,10 +42,14 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagewise.engine.fair_share import FairShare, tenant_of
 from pagewise.engine.kv_cache_manager import BlockOp, KVCacheManager
 from pagewise.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagewise.engine.adapter_slots import AdapterSlots
 
 POLICIES = ("fcfs", "fair")
 
@@ -96,8 +104,10 @@ class Scheduler:
         policy: str = "fcfs",
         shared_max_num_batched_tokens: int | None = None,
         interrupt_budget: int | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.kv = kv
+        self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -305,16 +315,22 @@ class Scheduler:
                 admit = False
 
     def _waiting_heads(self) -> list[Request]:
-        """Each tenant's first waiting request (a preempted one requeued at the front comes first)."""
+        """Each tenant's first waiting request whose adapter can get a slot (a preempted one requeued at the
+        front comes first)."""
         heads: dict[str, Request] = {}
         for request in self.waiting:
-            heads.setdefault(tenant_of(request), request)
+            if self._adapter_fits(request):
+                heads.setdefault(tenant_of(request), request)
         return list(heads.values())
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request runs under the base model or its adapter has or can get a slot now."""
+        return request.adapter is None or self.adapters.can_acquire(request.adapter)
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            if not self.kv.swap_in(request):
+            if not self._adapter_fits(request) or not self.kv.swap_in(request):
                 return
             self.swapped.popleft()
             self._start(request)
@@ -323,17 +339,19 @@ class Scheduler:
                 self._add(out, request, num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        """Admit in queue order within the best class waiting."""
+        """Admit in queue order within the best class waiting, passing over requests whose adapter cannot get a
+        slot now (every slot pinned by running requests of other adapters)."""
         while self.waiting and self._budget > 0:
             best = min(r.priority for r in self.waiting)
-            if not self._admit(out, next(r for r in self.waiting if r.priority == best)):
+            request = next((r for r in self.waiting if r.priority == best and self._adapter_fits(r)), None)
+            if request is None or not self._admit(out, request):
                 return
 
     def _admit(self, out: SchedulerOutput, request: Request) -> bool:
         """Start a waiting request (its prefix-cache hit, then as much of its prompt as the budget allows);
         False, changing nothing, if it does not fit now (sequences, budget without chunking, or blocks)."""
         group_size = 1 + len(self.pending_forks.get(request, ()))
-        if len(self.running) + group_size > self.max_num_seqs:
+        if len(self.running) + group_size > self.max_num_seqs or not self._adapter_fits(request):
             return False
         prefix = self.kv.lookup_prefix(request)
         num_new = request.num_tokens - len(prefix) * self.kv.block_size
@@ -355,8 +373,16 @@ class Scheduler:
         return True
 
     def _start(self, request: Request) -> None:
+        """Running from now on; its adapter (if any) is pinned in a slot while it runs."""
+        if request.adapter is not None:
+            self.adapters.acquire(request.adapter)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_order)
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        if request.adapter is not None:
+            self.adapters.release(request.adapter)
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         if self.fair is not None:
@@ -378,7 +404,7 @@ class Scheduler:
                 out.sample_sources[follower] = request
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
+        self._stop_running(victim)
         self._budget += out.scheduled.pop(victim, 0)
         out.sample_sources.pop(victim, None)
         out.preempted.append(victim)
@@ -398,7 +424,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Remove a request from wherever it is and release its blocks and swap slots (same step)."""
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._stop_running(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request in self.waiting:

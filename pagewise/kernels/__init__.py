@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from pagewise.kernels import cpu_ops, reference
+from pagewise.kernels import cpu_ops, lora, reference
 
 _BACKENDS = ("triton", "cpu", "torch")
 
@@ -100,6 +100,16 @@ def silu_and_mul(gate_up):
     return _fused(gate_up, _BF16_TOO).silu_and_mul(gate_up)
 
 
+def lora_add(y, x, lora_a, lora_b, batch) -> None:
+    """Add each row's adapter delta to a projection's output, grouped by adapter slot. See ``lora.lora_add``."""
+    if backend_for(x) == "triton":
+        from pagewise.kernels import triton_lora
+
+        triton_lora.lora_add(y, x, lora_a, lora_b, batch)
+    else:
+        lora.lora_add(y, x, lora_a, lora_b, batch)
+
+
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:
     """Copy blocks (src, dst) in every layer at once (copy-on-write). See ``reference.copy_blocks``."""
     impl = _triton() if backend_for(key_caches[0]) == "triton" else reference  # a plain index copy on CPU
@@ -114,6 +124,7 @@ def swap_blocks(src, dst, block_mapping) -> None:
 __all__ = [
     "backend_for",
     "copy_blocks",
+    "lora_add",
     "paged_attention",
     "reshape_and_cache",
     "residual_add",

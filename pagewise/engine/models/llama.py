@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,10 @@ from torch import nn
 from pagewise import kernels
 from pagewise.engine.model_config import ModelArchConfig
 from pagewise.kernels.gemm import GemmPath, PackedWeight
+from pagewise.kernels.lora import LoraBatch
+
+if TYPE_CHECKING:
+    from pagewise.engine.adapter_files import AdapterWeights
 
 # a layer's MLP runs in parts of at most this many rows (tokens), each a pause point of a preemptible step: a
 # 2,048-token step pauses about every quarter of a layer, a step of 512 tokens or fewer once per half layer
@@ -37,11 +42,14 @@ class AttentionMetadata:
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs on a chosen matmul path (``pagewise.kernels.gemm``), in a chosen dtype:
     ``torch`` in the weight's dtype until ``use_gemm_path``, which prepares the weight as it is then — so it is
-    called once the weights are loaded and on their device, and the weight is not changed afterwards."""
+    called once the weights are loaded and on their device, and the weight is not changed afterwards. A
+    projection adapters may target carries their slot stacks (``lora_a``, ``lora_b``: see ``LoraProjection``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._gemm: PackedWeight | None = None
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
 
     def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
         """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's)."""
@@ -54,12 +62,51 @@ class Linear(nn.Linear):
         """The dtype of the product: an input in it is taken as it is, and an output in it is not converted."""
         return self.weight.dtype if self._gemm is None else self._gemm.compute_dtype
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x Wᵀ + b`` in ``out_dtype`` (default: ``x``'s)."""
+    def forward(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """``x Wᵀ + b`` in ``out_dtype`` (default: ``x``'s), plus each ``lora`` row's adapter delta."""
         if self._gemm is not None:
-            return self._gemm(x, out_dtype)
-        y = F.linear(x, self.weight, self.bias)
-        return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
+            y = self._gemm(x, out_dtype)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+            y = y if out_dtype in (None, y.dtype) else y.to(out_dtype)
+        if lora is not None and self.lora_a is not None:
+            kernels.lora_add(y, x, self.lora_a, self.lora_b, lora)
+        return y
+
+
+@dataclass(slots=True)
+class LoraProjection:
+    """A projection adapters may target: its layer, its ``Linear`` and the HF projections fused in it (name and
+    output size, in output order). Each part gets ``max_rank`` rows of ``lora_a`` and the matching columns of
+    ``lora_b`` (block-diagonal), so one product per adapter covers the fused projection."""
+
+    layer: int
+    linear: Linear
+    parts: tuple[tuple[str, int], ...]
+
+    def allocate(self, num_slots: int, max_rank: int) -> None:
+        """Zeroed slot stacks in the projection's compute dtype, on its device."""
+        linear, rank = self.linear, len(self.parts) * max_rank
+        options = {"dtype": linear.compute_dtype, "device": linear.weight.device}
+        linear.lora_a = torch.zeros(num_slots, rank, linear.in_features, **options)
+        linear.lora_b = torch.zeros(num_slots, linear.out_features, rank, **options)
+
+    def write(self, slot: int, adapter: AdapterWeights) -> None:
+        """Put ``adapter``'s weights for this projection in ``slot`` (zeros where it targets no part; a lower
+        rank is zero-padded)."""
+        lora_a, lora_b = self.linear.lora_a[slot], self.linear.lora_b[slot]
+        lora_a.zero_()
+        lora_b.zero_()
+        max_rank, out_start = lora_a.shape[0] // len(self.parts), 0
+        for index, (name, size) in enumerate(self.parts):
+            pair = adapter.weights.get((self.layer, name))
+            if pair is not None:
+                rank, first = pair[0].shape[0], index * max_rank
+                lora_a[first : first + rank] = torch.from_numpy(pair[0])
+                lora_b[out_start : out_start + size, first : first + rank] = torch.from_numpy(pair[1])
+            out_start += size
 
 
 class RMSNorm(nn.Module):
@@ -129,12 +176,13 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Attention of ``hidden`` (the normed residual rows, in the model's or the projections' dtype); the
         result in the projections' dtype, to be added to the residual stream."""
         num_tokens = hidden.shape[0]
         model_dtype = self.o_proj.weight.dtype  # rotary, the cache write and attention run in it
-        q, k, v = self.qkv_proj(hidden, model_dtype).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, model_dtype, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -144,7 +192,7 @@ class Attention(nn.Module):
         out = kernels.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size), self.o_proj.compute_dtype)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), self.o_proj.compute_dtype, lora)
 
 
 class MLP(nn.Module):
@@ -153,10 +201,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """The MLP of ``x`` (normed rows), kept in the projections' dtype from end to end."""
-        gate_up = self.gate_up_proj(x, self.gate_up_proj.compute_dtype)
-        return self.down_proj(kernels.silu_and_mul(gate_up), self.down_proj.compute_dtype)
+        gate_up = self.gate_up_proj(x, self.gate_up_proj.compute_dtype, lora)
+        return self.down_proj(kernels.silu_and_mul(gate_up), self.down_proj.compute_dtype, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -167,19 +215,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
-        return self.feed_forward(self.attend(hidden, rotary, positions, kv_cache, meta))
+    def forward(self, hidden, rotary, positions, kv_cache, meta, lora=None) -> torch.Tensor:
+        return self.feed_forward(self.attend(hidden, rotary, positions, kv_cache, meta, lora), lora)
 
-    def attend(self, hidden, rotary, positions, kv_cache, meta) -> torch.Tensor:
+    def attend(self, hidden, rotary, positions, kv_cache, meta, lora=None) -> torch.Tensor:
         """The attention half: ``hidden`` plus attention over the paged cache (in place). The residual stream
         stays in the model's dtype; the normed rows go to the projections in theirs."""
         normed = self.input_layernorm(hidden, self.self_attn.qkv_proj.compute_dtype)
-        kernels.residual_add(hidden, self.self_attn(normed, rotary, positions, kv_cache, meta))
+        kernels.residual_add(hidden, self.self_attn(normed, rotary, positions, kv_cache, meta, lora))
         return hidden
 
-    def feed_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """The MLP half, row by row independent: ``rows`` plus the MLP of their norm (in place)."""
-        kernels.residual_add(rows, self.mlp(self.post_attention_layernorm(rows, self.mlp.gate_up_proj.compute_dtype)))
+    def feed_forward(self, rows: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The MLP half, row by row independent: ``rows`` plus the MLP of their norm (in place); ``lora``
+        describes these rows (numbered from 0)."""
+        normed = self.post_attention_layernorm(rows, self.mlp.gate_up_proj.compute_dtype)
+        kernels.residual_add(rows, self.mlp(normed, lora))
         return rows
 
 
@@ -204,8 +254,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        run = self.start(input_ids, positions, kv_caches, meta)
+        run = self.start(input_ids, positions, kv_caches, meta, lora)
         while not run.done:
             run.run_part()
         return run.output()
@@ -216,9 +267,27 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> ForwardPass:
-        """The forward pass over these tokens, embedded and ready to run a part at a time."""
-        return ForwardPass(self, positions, kv_caches, meta, self.embed_tokens(input_ids))
+        """The forward pass over these tokens, embedded and ready to run a part at a time; ``lora`` says which
+        rows run under which adapter slot (None: all under the base model)."""
+        return ForwardPass(self, positions, kv_caches, meta, self.embed_tokens(input_ids), lora)
+
+    def lora_projections(self) -> list[LoraProjection]:
+        """Every projection adapters may target, layer by layer."""
+        attn_parts = (("q_proj", self.layers[0].self_attn.q_size),) + tuple(
+            (name, self.layers[0].self_attn.kv_size) for name in ("k_proj", "v_proj")
+        )
+        mlp_parts = tuple((name, self.arch.intermediate_size) for name in ("gate_proj", "up_proj"))
+        projections = []
+        for i, layer in enumerate(self.layers):
+            projections += [
+                LoraProjection(i, layer.self_attn.qkv_proj, attn_parts),
+                LoraProjection(i, layer.self_attn.o_proj, (("o_proj", self.arch.hidden_size),)),
+                LoraProjection(i, layer.mlp.gate_up_proj, mlp_parts),
+                LoraProjection(i, layer.mlp.down_proj, (("down_proj", self.arch.hidden_size),)),
+            ]
+        return projections
 
     def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
         """Run every projection, the LM head included, on ``path`` in ``compute_dtype`` (see
@@ -295,6 +364,7 @@ class ForwardPass:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     hidden: torch.Tensor
+    lora: LoraBatch | None = None
     next_layer: int = 0
     mlp_rows_done: int | None = None
 
@@ -307,12 +377,16 @@ class ForwardPass:
         layer = self.model.layers[self.next_layer]
         if self.mlp_rows_done is None:
             kv_cache = self.kv_caches[self.next_layer]
-            self.hidden = layer.attend(self.hidden, self.model.rotary, self.positions, kv_cache, self.meta)
+            rotary = self.model.rotary
+            self.hidden = layer.attend(self.hidden, rotary, self.positions, kv_cache, self.meta, self.lora)
             self.mlp_rows_done = 0
             return
-        start = self.mlp_rows_done
-        end = min(start + MLP_ROWS_PER_PART, self.hidden.shape[0])
-        layer.feed_forward(self.hidden[start:end])
+        start, num_rows = self.mlp_rows_done, self.hidden.shape[0]
+        end = min(start + MLP_ROWS_PER_PART, num_rows)
+        lora = self.lora
+        if lora is not None and (start, end) != (0, num_rows):
+            lora = lora.restrict(start, end)
+        layer.feed_forward(self.hidden[start:end], lora)
         self.mlp_rows_done = end
         if end == self.hidden.shape[0]:
             self.next_layer, self.mlp_rows_done = self.next_layer + 1, None

@@ -26,6 +26,7 @@ import torch
 TRITON_MODULES = (
     "pagewise.kernels.triton_attention",
     "pagewise.kernels.triton_cache_ops",
+    "pagewise.kernels.triton_lora",
     "pagewise.kernels.triton_ops",  # last: re-exports the two above
 )
 INNER_RUN_ENV = "PAGEWISE_TRITON_INTERPRETER_SUBPROCESS"
@@ -40,12 +41,15 @@ def _is_interpreted(fn: object) -> bool:
 def _kernels_interpreted() -> bool:
     attention = sys.modules["pagewise.kernels.triton_attention"]
     cache_ops = sys.modules["pagewise.kernels.triton_cache_ops"]
+    lora = sys.modules["pagewise.kernels.triton_lora"]
     kernels = (
         attention._find_seq,
         attention._paged_attention_kernel,
         attention._reduce_splits_kernel,
         cache_ops._reshape_and_cache_kernel,
         cache_ops._copy_blocks_kernel,
+        lora._shrink_kernel,
+        lora._expand_kernel,
     )
     return all(_is_interpreted(k) for k in kernels)
 

@@ -182,3 +182,30 @@ def test_copy_blocks(dtype: torch.dtype) -> None:
     for got, want in zip(key_caches + value_caches, expected_k + expected_v, strict=True):
         assert torch.equal(got, want)
     kernels.copy_blocks(key_caches, value_caches, torch.empty(0, 2, dtype=torch.int64))  # no-op
+
+
+@pytest.mark.parametrize(
+    "row_slots",
+    [
+        [0, 1, 2, 0, 1, 2, 2],  # decode rows of three adapters
+        [-1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 0, 0],  # a segment over one row tile
+    ],
+    ids=["interleaved", "long-segment"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_shrink_expand(row_slots: list[int], dtype: torch.dtype) -> None:
+    from pagewise.kernels import lora
+    from pagewise.kernels.lora import LoraBatch
+
+    gen = torch.Generator().manual_seed(len(row_slots))
+    num_slots, rank, d_in, d_out = 3, 48, 40, 72  # rank and sizes off the tile sizes: masked edges
+    lora_a = torch.randn(num_slots, rank, d_in, generator=gen).to(dtype)
+    lora_b = torch.randn(num_slots, d_out, rank, generator=gen).to(dtype)
+    x = torch.randn(len(row_slots), d_in, generator=gen).to(dtype)
+    y = torch.randn(len(row_slots), d_out, generator=gen)
+    batch = LoraBatch.build(row_slots, [0.5, 2.0, 1.5], torch.device("cpu"))
+    expected = y.clone()
+    lora.lora_add(expected, x, lora_a.float(), lora_b.float(), batch)  # the oracle in fp32
+
+    kernels.lora_add(y, x, lora_a, lora_b, batch)
+    assert rel_err(y, expected) < 1e-5

@@ -1,0 +1,175 @@
+"""Adapters: greedy outputs under a LoRA adapter equal HF transformers + PEFT (the same adapter applied with
+``peft``, unmerged) token for token, on a tiny random model with random rank-8 and rank-16 adapters made here —
+alone, and many adapters and the base model batched together, with fewer slots than adapters (eviction), under
+preemption (recompute and swap) and chunked prefill; the prefix cache never shares KV across adapters."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagewise import LLM, LoRARequest, SamplingParams
+from pagewise.engine.errors import InvalidRequestError
+from pagewise.engine.model_runner import KVCache
+
+peft = pytest.importorskip("peft")
+
+BLOCK = 8
+MAX_TOKENS = 10
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: (rank, alpha, targets, rslora)
+    "r8-all": (8, 16, ALL, False),
+    "r16-all": (16, 8, ALL, False),
+    "r8-attn": (8, 32, ["q_proj", "v_proj"], False),
+    "r16-mlp-rslora": (16, 16, ["gate_proj", "up_proj", "down_proj"], True),
+}
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, BLOCK, BLOCK + 3, 2 * BLOCK + 1, 41)]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_adapter(base: torch.nn.Module, name: str, directory: Path) -> torch.nn.Module:
+    """A random PEFT adapter saved in ``directory``; returns the PEFT model (the oracle)."""
+    rank, alpha, targets, rslora = ADAPTERS[name]
+    torch.manual_seed(sum(map(ord, name)))
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():  # PEFT's random init is small next to these weights: make each adapter matter
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                module.lora_B["default"].weight.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    """The base model's path, each adapter's ``LoRARequest`` and every (adapter or None, prompt) reference."""
+    path, base = tiny_model("lora-base", num_attention_heads=4, num_key_value_heads=2)
+    requests, expected = {}, {None: [hf_greedy(base, p) for p in prompts()]}
+    for index, name in enumerate(ADAPTERS, start=1):
+        directory = tmp_path_factory.mktemp(name)
+        oracle = make_adapter(base, name, directory)
+        requests[name] = LoRARequest(name, index, str(directory))
+        expected[name] = [hf_greedy(oracle, p) for p in prompts()]
+        assert expected[name] != expected[None], f"adapter {name} does not change the output"
+    return path, requests, expected
+
+
+def greedy(llm: LLM, batch, adapters) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(batch, params, use_tqdm=False, lora_request=adapters)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def lora_llm(path, **engine_args) -> LLM:
+    args = dict(block_size=BLOCK, progress=False, dtype="float32", enable_lora=True, max_lora_rank=16)
+    return LLM(str(path), **(args | engine_args))
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_each_adapter_matches_peft(setup, name: str) -> None:
+    path, requests, expected = setup
+    llm = lora_llm(path, max_loras=1)
+    assert greedy(llm, prompts(), requests[name]) == expected[name]
+
+
+def mixed_batch(requests):
+    """Every prompt under the base model and under each adapter, interleaved."""
+    names = [None, *ADAPTERS]
+    batch, adapters, keys = [], [], []
+    for i, prompt in enumerate(prompts()):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            batch.append(prompt)
+            adapters.append(None if name is None else requests[name])
+            keys.append((name, i))
+    return batch, adapters, keys
+
+
+def assert_mixed_batch_exact(llm: LLM, setup) -> None:
+    _, requests, expected = setup
+    batch, adapters, keys = mixed_batch(requests)
+    got = greedy(llm, batch, adapters)
+    for (name, i), tokens in zip(keys, got, strict=True):
+        assert tokens == expected[name][i], f"adapter {name}, prompt {i}"
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert all(pins == 0 for pins in stats["lora"]["resident"].values())
+
+
+def test_base_and_four_adapters_in_one_batch(setup) -> None:
+    llm = lora_llm(setup[0], max_loras=4)
+    assert_mixed_batch_exact(llm, setup)
+    assert llm.stats()["lora"]["loads"] == 4  # each adapter loaded once, none evicted
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_fewer_slots_than_adapters_under_preemption_and_chunked_prefill(setup, tiny_model, preemption_mode) -> None:
+    path, model = tiny_model("lora-base")
+    cfg = model.config
+    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, BLOCK, cfg.num_key_value_heads, 16, torch.float32)
+    llm = lora_llm(
+        path,
+        max_loras=2,
+        max_cpu_loras=2,  # host copies evicted too: reloaded from their files
+        kv_cache_memory_bytes=24 * per_block,
+        max_num_batched_tokens=24,
+        preemption_mode=preemption_mode,
+    )
+    assert_mixed_batch_exact(llm, setup)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    lora = stats["lora"]
+    # four adapters through two slots: two were evicted; their host copies too, so they were read again
+    assert len(lora["resident"]) == 2 and lora["loads"] >= 4 and lora["reads"] > 4, lora
+
+
+def test_prefix_cache_is_per_adapter(setup) -> None:
+    """The same prompt under one adapter, then another, then the base model: no KV is shared across them."""
+    path, requests, expected = setup
+    llm = lora_llm(path, max_loras=1)
+    prompt = prompts()[-1]  # several full blocks
+    for name in ("r8-all", "r16-all", None, "r8-all"):
+        adapter = None if name is None else requests[name]
+        assert greedy(llm, [prompt], adapter) == [expected[name][-1]]
+    # the fourth run found the first run's blocks
+    assert llm.stats()["prefix_cache_hits"] >= 5 * BLOCK
+
+
+def test_lora_needs_enable_lora_and_a_valid_adapter(setup, tmp_path) -> None:
+    path, requests, _ = setup
+    llm = LLM(str(path), block_size=BLOCK, progress=False, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        llm.generate([[5, 6]], lora_request=requests["r8-all"], use_tqdm=False)
+    llm = lora_llm(path, max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match="max_lora_rank 8"):
+        llm.generate([[5, 6]], lora_request=requests["r16-all"], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="cannot read"):
+        llm.generate([[5, 6]], lora_request=LoRARequest("gone", 99, str(tmp_path / "nowhere")), use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_requests_waiting"] == 0 and stats["lora"]["resident"] == {}
+    llm.generate([[5, 6]], lora_request=requests["r8-all"], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="already names"):
+        llm.generate([[5, 6]], lora_request=LoRARequest("other", 1, str(tmp_path)), use_tqdm=False)
