@@ -100,14 +100,17 @@ def silu_and_mul(gate_up):
     return _fused(gate_up, _BF16_TOO).silu_and_mul(gate_up)
 
 
-def lora_add(y, x, lora_a, lora_b, batch) -> None:
+def lora_add(y, x, lora_a, lora_b, batch, column_bounds) -> None:
     """Add each row's adapter delta to a projection's output, grouped by adapter slot. See ``lora.lora_add``."""
-    if backend_for(x) == "triton":
+    backend = backend_for(x, dtypes=_BF16_TOO)
+    if backend == "triton":
         from pagewise.kernels import triton_lora
 
-        triton_lora.lora_add(y, x, lora_a, lora_b, batch)
+        triton_lora.lora_add(y, x, lora_a, lora_b, batch, column_bounds)
+    elif backend == "cpu" and y.dtype in _BF16_TOO and y.stride(1) == 1 and x.stride(1) == 1:
+        cpu_ops.lora_add(y, x, lora_a, lora_b, batch, column_bounds)
     else:
-        lora.lora_add(y, x, lora_a, lora_b, batch)
+        lora.lora_add(y, x, lora_a, lora_b, batch, column_bounds)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:

@@ -1,15 +1,17 @@
 """Batched LoRA deltas for one step: many adapters and the base model in one batch (Punica's segmented gather
 matmul, SGMV).
 
-A projection targeted by adapters holds a stack of every adapter slot's weights: ``lora_a`` ``[slots, R, in]``
-and ``lora_b`` ``[slots, out, R]`` (``R`` = the projection's parts × the engine's max rank; a fused projection's
-parts sit block-diagonally in ``lora_b``, lower ranks are zero-padded, which adds exact zeros). A step's
-``LoraBatch`` groups the rows that run under an adapter by slot, once per step; each projection then adds, for
-each group (segment), ``scaling · (x[rows] @ Aᵀ) @ Bᵀ`` to its output rows — one gather, two products per
-adapter present in the step and one scatter, never a loop over rows. Base-model rows are left out entirely.
+A projection targeted by adapters holds a float32 stack of every adapter slot's weights: ``lora_a``
+``[slots, R, in]`` (PEFT's ``A`` rows) and ``lora_b`` ``[slots, R, out]`` (PEFT's ``B`` transposed), ``R`` = the
+projection's parts × the engine's max rank. A fused projection's parts sit block-diagonally in ``lora_b``: part
+``p`` owns rank rows ``p·R/parts …`` and only its own columns (``column_bounds[p] … column_bounds[p+1]``); lower
+ranks are zero-padded, which adds exact zeros. A step's ``LoraBatch`` groups the rows that run under an adapter
+by slot, once per step; each projection then adds, for each group (segment), ``scaling · (x[rows] @ Aᵀ) @ B`` to
+its output rows — never a loop over rows. Base-model rows are left out entirely.
 
-``lora_add`` here is the torch form (the CPU engine's path and the Triton kernels' oracle); CUDA tensors run
-``triton_lora``'s shrink and expand kernels.
+``lora_add`` here is the torch form (the kernels' oracle, and the CPU path where the compiled kernels are not
+built): one gather, two products per adapter present in the step and one scatter. The compiled CPU op
+(``cpu_ops``) and the Triton kernels (``triton_lora``) do the same in one call per projection.
 """
 
 from __future__ import annotations
@@ -82,18 +84,24 @@ class LoraBatch:
 
 
 def lora_add(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch: LoraBatch
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoraBatch,
+    column_bounds: torch.Tensor | None = None,
 ) -> None:
-    """``y[r] += scaling · (x[r] @ lora_a[slot]ᵀ) @ lora_b[slot]ᵀ`` for every row ``r`` of ``batch`` (in place;
-    the products in the stacks' dtype, the sum in ``y``'s)."""
+    """``y[r] += scaling · (x[r] @ lora_a[slot]ᵀ) @ lora_b[slot]`` for every row ``r`` of ``batch`` (in place; the
+    products in the stacks' dtype, the sum in ``y``'s). ``column_bounds`` (which columns each part owns) lets a
+    kernel skip the zero blocks; this form multiplies them."""
     n = batch.num_rows
     xs = x[batch.offset : batch.offset + n] if batch.offset is not None else x.index_select(0, batch.order)
     xs = xs.to(lora_a.dtype)
     shrunk = torch.empty((n, lora_a.shape[1]), dtype=lora_a.dtype, device=x.device)
-    delta = torch.empty((n, lora_b.shape[1]), dtype=lora_a.dtype, device=x.device)
+    delta = torch.empty((n, lora_b.shape[2]), dtype=lora_a.dtype, device=x.device)
     for slot, start, end, scaling in batch.segments:
         torch.mm(xs[start:end], lora_a[slot].t(), out=shrunk[start:end])
-        torch.addmm(delta[start:end], shrunk[start:end], lora_b[slot].t(), beta=0, alpha=scaling, out=delta[start:end])
+        torch.addmm(delta[start:end], shrunk[start:end], lora_b[slot], beta=0, alpha=scaling, out=delta[start:end])
     if batch.offset is not None:
         y[batch.offset : batch.offset + n] += delta
     else:

@@ -4,7 +4,7 @@ Grid: (segment, row tile, column tile). A program reads its segment's slot, star
 inputs through ``order`` (masked past the segment's end) and multiplies by that slot's weights:
 
 * shrink: ``shrunk[start:end] = x[order[start:end]] @ lora_a[slot]ᵀ`` (``[n, R]``, fp32);
-* expand: ``y[order[start:end]] += scaling · shrunk[start:end] @ lora_b[slot]ᵀ``.
+* expand: ``y[order[start:end]] += scaling · shrunk[start:end] @ lora_b[slot]``.
 
 Each output element belongs to exactly one program (a row is in one segment, a column in one tile), so the
 read-add-write of ``y`` needs no atomics. Products accumulate in fp32.
@@ -53,7 +53,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     shrunk_ptr, order_ptr, b_ptr, y_ptr, starts_ptr, slots_ptr, scalings_ptr,
-    K, N, stride_s, stride_b_slot, stride_b_row, stride_y,
+    K, N, stride_s, stride_b_slot, stride_b_rank, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     seg, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -70,7 +70,7 @@ def _expand_kernel(
         in_k = (ks < K)[None, :]
         st = tl.load(shrunk_ptr + pos[:, None] * stride_s + ks[None, :], mask=in_seg[:, None] & in_k, other=0.0)
         bt = tl.load(
-            b_ptr + slot * stride_b_slot + cols[None, :] * stride_b_row + ks[:, None],
+            b_ptr + slot * stride_b_slot + ks[:, None] * stride_b_rank + cols[None, :],
             mask=(cols < N)[None, :] & (ks < K)[:, None],
             other=0.0,
         )
@@ -86,10 +86,15 @@ def _longest_segment(batch: LoraBatch) -> int:
 
 
 def lora_add(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch: LoraBatch
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoraBatch,
+    column_bounds: torch.Tensor | None = None,
 ) -> None:
-    """See ``lora.lora_add`` (same contract; the products in fp32)."""
-    n, rank, out = batch.num_rows, lora_a.shape[1], lora_b.shape[1]
+    """See ``lora.lora_add`` (same contract; the products in fp32, the zero blocks multiplied)."""
+    n, rank, out = batch.num_rows, lora_a.shape[1], lora_b.shape[2]
     x, lora_a, lora_b = x.contiguous(), lora_a.contiguous(), lora_b.contiguous()
     assert y.stride(1) == 1, "y's rows must be contiguous"
     shrunk = torch.empty((n, rank), dtype=torch.float32, device=x.device)

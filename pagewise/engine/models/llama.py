@@ -50,6 +50,7 @@ class Linear(nn.Linear):
         self._gemm: PackedWeight | None = None
         self.lora_a: torch.Tensor | None = None
         self.lora_b: torch.Tensor | None = None
+        self.lora_column_bounds: torch.Tensor | None = None
 
     def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
         """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's)."""
@@ -72,26 +73,30 @@ class Linear(nn.Linear):
             y = F.linear(x, self.weight, self.bias)
             y = y if out_dtype in (None, y.dtype) else y.to(out_dtype)
         if lora is not None and self.lora_a is not None:
-            kernels.lora_add(y, x, self.lora_a, self.lora_b, lora)
+            kernels.lora_add(y, x, self.lora_a, self.lora_b, lora, self.lora_column_bounds)
         return y
 
 
 @dataclass(slots=True)
 class LoraProjection:
     """A projection adapters may target: its layer, its ``Linear`` and the HF projections fused in it (name and
-    output size, in output order). Each part gets ``max_rank`` rows of ``lora_a`` and the matching columns of
-    ``lora_b`` (block-diagonal), so one product per adapter covers the fused projection."""
+    output size, in output order). Each part gets ``max_rank`` rows of ``lora_a`` and of ``lora_b``, whose
+    columns it owns alone (block-diagonal; ``kernels.lora``), so one product per adapter covers the fused
+    projection."""
 
     layer: int
     linear: Linear
     parts: tuple[tuple[str, int], ...]
 
     def allocate(self, num_slots: int, max_rank: int) -> None:
-        """Zeroed slot stacks in the projection's compute dtype, on its device."""
-        linear, rank = self.linear, len(self.parts) * max_rank
-        options = {"dtype": linear.compute_dtype, "device": linear.weight.device}
-        linear.lora_a = torch.zeros(num_slots, rank, linear.in_features, **options)
-        linear.lora_b = torch.zeros(num_slots, linear.out_features, rank, **options)
+        """Zeroed float32 slot stacks on the projection's device, and the columns each part owns."""
+        linear, rank, device = self.linear, len(self.parts) * max_rank, self.linear.weight.device
+        linear.lora_a = torch.zeros(num_slots, rank, linear.in_features, device=device)
+        linear.lora_b = torch.zeros(num_slots, rank, linear.out_features, device=device)
+        bounds = [0]
+        for _, size in self.parts:
+            bounds.append(bounds[-1] + size)
+        linear.lora_column_bounds = torch.tensor(bounds, dtype=torch.int64, device=device)
 
     def write(self, slot: int, adapter: AdapterWeights) -> None:
         """Put ``adapter``'s weights for this projection in ``slot`` (zeros where it targets no part; a lower
@@ -105,7 +110,7 @@ class LoraProjection:
             if pair is not None:
                 rank, first = pair[0].shape[0], index * max_rank
                 lora_a[first : first + rank] = torch.from_numpy(pair[0])
-                lora_b[out_start : out_start + size, first : first + rank] = torch.from_numpy(pair[1])
+                lora_b[first : first + rank, out_start : out_start + size] = torch.from_numpy(pair[1]).t()
             out_start += size
 
 

@@ -1,6 +1,6 @@
-// Compiled CPU ops: decode attention that reads K/V blocks in place, the cache write, and the fused per-token
-// ops of a decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its
-// rows.
+// Compiled CPU ops: decode attention that reads K/V blocks in place, the cache write, the fused per-token ops of a
+// decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its rows, and
+// the batched LoRA delta of a projection (rows grouped by adapter slot).
 //
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
@@ -665,6 +665,160 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     return out;
 }
 
+// ---- LoRA: each row's adapter delta, rows grouped by adapter slot (Punica's SGMV), in float32.
+//
+// y[order[i]] += scaling[s] * (x[order[i]] @ lora_a[slot]^T) @ lora_b[slot] for every position i of segment s, where
+// lora_a is [slots, R, in] and lora_b [slots, R, out] (float32). A fused projection's parts own R / parts rank rows
+// each and only their own columns (column_bounds[p] .. column_bounds[p + 1]): the other blocks are zero and skipped.
+// Work goes in blocks of up to LORA_ROWS rows of one segment: a block's inputs are widened once, each weight row is
+// loaded once for all its rows, and the delta is added to y (widened and rounded back for a bf16 y) row by row.
+
+constexpr int64_t LORA_ROWS = 4;
+
+// s[r * rank + j] = x_r . a_j for the block's rows (x rows packed [rows, in]). A full block keeps four independent
+// sums per weight row (one per input row), so the multiply-adds do not wait on each other.
+PAGEWISE_CLONES
+void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int64_t in, float* s) {
+    for (int64_t j = 0; j < rank; ++j) {
+        const float* w = a + j * in;
+        if (rows == LORA_ROWS) {
+            const float *x0 = x, *x1 = x + in, *x2 = x + 2 * in, *x3 = x + 3 * in;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t k = 0; k < in; ++k) {
+                a0 += x0[k] * w[k];
+                a1 += x1[k] * w[k];
+                a2 += x2[k] * w[k];
+                a3 += x3[k] * w[k];
+            }
+            s[j] = a0, s[rank + j] = a1, s[2 * rank + j] = a2, s[3 * rank + j] = a3;
+            continue;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* xr = x + r * in;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t k = 0; k < in; ++k) sum += xr[k] * w[k];
+            s[r * rank + j] = sum;
+        }
+    }
+}
+
+constexpr int64_t LORA_TILE = 64;  // output columns whose sums a block keeps while it walks the rank rows
+
+// d[r * out + o] = sum over the part's rank rows j of s[r * rank + j] * b[j * out + o], for o in [lo, hi): a tile
+// of columns at a time, its sums for every row of the block held across the rank rows.
+PAGEWISE_CLONES
+void lora_expand(const float* s, int64_t rows, int64_t rank, const float* b, int64_t out, int64_t j_lo, int64_t j_hi,
+                 int64_t lo, int64_t hi, float* d) {
+    for (int64_t o0 = lo; o0 < hi; o0 += LORA_TILE) {
+        const int64_t width = std::min(LORA_TILE, hi - o0);
+        float acc[LORA_ROWS][LORA_TILE] = {};
+        for (int64_t j = j_lo; j < j_hi; ++j) {
+            const float* bj = b + j * out + o0;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float coef = s[r * rank + j];
+#pragma omp simd
+                for (int64_t o = 0; o < width; ++o) acc[r][o] += coef * bj[o];
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * out + o0, acc[r], width * sizeof(float));
+    }
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void widen_row_body(const T* src, int64_t n, float* dst) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+PAGEWISE_CLONES
+void widen_row(const float* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
+
+PAGEWISE_CLONES
+void widen_row(const uint16_t* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
+
+template <typename T>
+inline __attribute__((always_inline)) void add_scaled_body(T* y, const float* d, float scaling, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t o = lo; o < hi; ++o) narrow(widen(y[o]) + scaling * d[o], y + o);
+}
+
+PAGEWISE_CLONES
+void add_scaled(float* y, const float* d, float scaling, int64_t lo, int64_t hi) { add_scaled_body(y, d, scaling, lo, hi); }
+
+PAGEWISE_CLONES
+void add_scaled(uint16_t* y, const float* d, float scaling, int64_t lo, int64_t hi) {
+    add_scaled_body(y, d, scaling, lo, hi);
+}
+
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+              const at::Tensor& order, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
+              const at::Tensor& segment_scalings, const at::Tensor& column_bounds) {
+    const bool x_ok = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+    const bool y_ok = y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(x_ok && y_ok && x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0),
+                "lora_add takes float32 or bfloat16 [rows, in] x and [rows, out] y");
+    TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "lora_add: rows of x and y must be contiguous");
+    TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat && lora_a.is_contiguous() &&
+                    lora_b.is_contiguous() && lora_a.dim() == 3 && lora_b.dim() == 3 &&
+                    lora_a.size(2) == x.size(1) && lora_b.size(2) == y.size(1) && lora_a.size(1) == lora_b.size(1) &&
+                    lora_a.size(0) == lora_b.size(0),
+                "lora_add takes contiguous float32 [slots, R, in] and [slots, R, out] stacks");
+    const auto ord = order.to(at::kLong).contiguous();
+    const auto starts = segment_starts.to(at::kLong).contiguous();
+    const auto slots = segment_slots.to(at::kLong).contiguous();
+    const auto scalings = segment_scalings.to(at::kFloat).contiguous();
+    const auto bounds = column_bounds.to(at::kLong).contiguous();
+    const int64_t num_segments = slots.numel(), num_slots = lora_a.size(0), rank = lora_a.size(1);
+    const int64_t in = x.size(1), out = y.size(1), num_parts = bounds.numel() - 1;
+    TORCH_CHECK(starts.numel() == num_segments + 1 && scalings.numel() == num_segments, "lora_add: segments disagree");
+    TORCH_CHECK(num_parts >= 1 && rank % num_parts == 0 && bounds.data_ptr<int64_t>()[num_parts] == out,
+                "lora_add: column bounds must split the output among the parts");
+    const int64_t *ord_ptr = ord.data_ptr<int64_t>(), *start_ptr = starts.data_ptr<int64_t>();
+    const int64_t *slot_ptr = slots.data_ptr<int64_t>(), *bound_ptr = bounds.data_ptr<int64_t>();
+    TORCH_CHECK(start_ptr[num_segments] == ord.numel(), "lora_add: segments must cover the order");
+    for (int64_t i = 0; i < ord.numel(); ++i)
+        TORCH_CHECK(ord_ptr[i] >= 0 && ord_ptr[i] < x.size(0), "lora_add: row out of range");
+    for (int64_t g = 0; g < num_segments; ++g)
+        TORCH_CHECK(slot_ptr[g] >= 0 && slot_ptr[g] < num_slots && start_ptr[g] <= start_ptr[g + 1],
+                    "lora_add: bad segment");
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // (segment, first position) of each block of rows
+    for (int64_t g = 0; g < num_segments; ++g)
+        for (int64_t p = start_ptr[g]; p < start_ptr[g + 1]; p += LORA_ROWS) blocks.emplace_back(g, p);
+    const float *a_ptr = lora_a.data_ptr<float>(), *b_ptr = lora_b.data_ptr<float>();
+    const float* scale_ptr = scalings.data_ptr<float>();
+    const int64_t part_rank = rank / num_parts;
+    auto run_all = [&](const auto* x_ptr, auto* y_ptr) {
+        const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
+        at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> xs(LORA_ROWS * in), s(LORA_ROWS * rank), d(LORA_ROWS * out);
+            for (int64_t i = begin; i < end; ++i) {
+                const auto [g, first] = blocks[i];
+                const int64_t rows = std::min(LORA_ROWS, start_ptr[g + 1] - first);
+                for (int64_t r = 0; r < rows; ++r) widen_row(x_ptr + ord_ptr[first + r] * x_stride, in, xs.data() + r * in);
+                const float* a = a_ptr + slot_ptr[g] * rank * in;
+                const float* b = b_ptr + slot_ptr[g] * rank * out;
+                lora_shrink(xs.data(), rows, a, rank, in, s.data());
+                for (int64_t p = 0; p < num_parts; ++p)
+                    lora_expand(s.data(), rows, rank, b, out, p * part_rank, (p + 1) * part_rank, bound_ptr[p],
+                                bound_ptr[p + 1], d.data());
+                for (int64_t r = 0; r < rows; ++r)
+                    add_scaled(y_ptr + ord_ptr[first + r] * y_stride, d.data() + r * out, scale_ptr[g], 0, out);
+            }
+        });
+    };
+    const bool x_bf16 = x.scalar_type() == at::kBFloat16, y_bf16 = y.scalar_type() == at::kBFloat16;
+    const auto* xf = x_bf16 ? nullptr : x.data_ptr<float>();
+    const auto* xb = x_bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+    auto* yf = y_bf16 ? nullptr : y.data_ptr<float>();
+    auto* yb = y_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
+    if (x_bf16 && y_bf16) run_all(xb, yb);
+    else if (x_bf16) run_all(xb, yf);
+    else if (y_bf16) run_all(xf, yb);
+    else run_all(xf, yf);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagewise_cpu, m) {
@@ -676,6 +830,8 @@ TORCH_LIBRARY(pagewise_cpu, m) {
     m.def("residual_add(Tensor(a!) residual, Tensor delta) -> ()");
     m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+    m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor order, Tensor segment_starts, "
+          "Tensor segment_slots, Tensor segment_scalings, Tensor column_bounds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
@@ -685,4 +841,5 @@ TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
     m.impl("residual_add", &residual_add);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("lora_add", &lora_add);
 }

@@ -200,12 +200,12 @@ def test_lora_shrink_expand(row_slots: list[int], dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(len(row_slots))
     num_slots, rank, d_in, d_out = 3, 48, 40, 72  # rank and sizes off the tile sizes: masked edges
     lora_a = torch.randn(num_slots, rank, d_in, generator=gen).to(dtype)
-    lora_b = torch.randn(num_slots, d_out, rank, generator=gen).to(dtype)
+    lora_b = torch.randn(num_slots, rank, d_out, generator=gen).to(dtype)
     x = torch.randn(len(row_slots), d_in, generator=gen).to(dtype)
     y = torch.randn(len(row_slots), d_out, generator=gen)
     batch = LoraBatch.build(row_slots, [0.5, 2.0, 1.5], torch.device("cpu"))
     expected = y.clone()
     lora.lora_add(expected, x, lora_a.float(), lora_b.float(), batch)  # the oracle in fp32
 
-    kernels.lora_add(y, x, lora_a, lora_b, batch)
+    kernels.lora_add(y, x, lora_a, lora_b, batch, torch.tensor([0, d_out]))
     assert rel_err(y, expected) < 1e-5
