@@ -18,6 +18,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     or, for the server, ``PAGEWISE_*`` environment variables — apply unless a flag is passed."""
     group = parser.add_argument_group("engine (defaults: see EngineConfig)")
     group.add_argument("--model", help="model name, HF directory or .gguf file (default: smollm2-135m-instruct)")
+    group.add_argument(
+        "--served-model-name",
+        help="the name(s) the model is served under, comma-separated: the first is listed, the rest are aliases "
+        "(default: --model as given)",
+    )
     group.add_argument("--block-size", type=int)
     group.add_argument("--max-num-seqs", type=int)
     group.add_argument("--max-num-batched-tokens", type=int)

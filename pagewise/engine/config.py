@@ -59,6 +59,10 @@ class EngineConfig:
     - ``dtype``: ``auto`` (bf16 projections and KV cache where the CPU multiplies bf16 natively, fp32 elsewhere;
       see ``resolve_precision``), or ``float32`` / ``bfloat16`` / ``float16`` for everything. ``float32`` is exact:
       greedy outputs equal HF transformers' fp32 token for token.
+    - ``served_model_name``: the names the model is served under (vLLM's flag): the first is the name it is listed
+      and reported under, the others are aliases a request may use; a comma-separated string or a sequence.
+      ``None``: the ``model`` argument as given (a known name, or a path). Names hold no whitespace and no ``:``
+      (reserved for ``model:adapter``).
     - ``enable_lora``: serve LoRA adapters (``LoRARequest``) batched with the base model: ``max_loras`` adapters
       resident at once (slots; least recently used evicted), of rank at most ``max_lora_rank``, and host copies
       of up to ``max_cpu_loras`` (None: ``max(max_loras, 32)``) for quick reloads (``adapter_slots``).
@@ -91,6 +95,7 @@ class EngineConfig:
     interrupt_max_num_batched_tokens: int = 256
     max_interrupts_per_step: int = 4
     force_step_interrupts: bool = False
+    served_model_name: str | tuple[str, ...] | None = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -125,6 +130,8 @@ class EngineConfig:
             fail(f"interrupt_max_num_batched_tokens must be >= 1, got {self.interrupt_max_num_batched_tokens}")
         if not is_int(self.max_interrupts_per_step) or self.max_interrupts_per_step < 0:
             fail(f"max_interrupts_per_step must be >= 0, got {self.max_interrupts_per_step}")
+        if self.served_model_name is not None:
+            self.served_model_name = _served_names(self.served_model_name)
         if not is_int(self.max_loras) or self.max_loras < 1:
             fail(f"max_loras must be >= 1, got {self.max_loras}")
         if not is_int(self.max_lora_rank) or not 1 <= self.max_lora_rank <= 512:
@@ -158,6 +165,10 @@ class EngineConfig:
         if not self.device.startswith("cuda") and cpu_has_native_bf16():
             return Precision(torch.float32, torch.bfloat16, torch.bfloat16)
         return Precision.uniform(torch.float32)
+
+    def served_names(self, loaded_name: str) -> tuple[str, ...]:
+        """The names the model answers to, the listed one first."""
+        return self.served_model_name or (loaded_name,)
 
     def resolve_max_cpu_loras(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 32)
@@ -202,3 +213,21 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             return None
         return _DEFAULT_CPU_KV_BYTES
+
+
+def _served_names(value: object) -> tuple[str, ...]:
+    """``served_model_name`` as a tuple of distinct valid names."""
+    if isinstance(value, str):
+        names = tuple(part.strip() for part in value.split(","))
+    elif isinstance(value, list | tuple) and all(isinstance(n, str) for n in value):
+        names = tuple(value)
+    else:
+        raise InvalidConfigError(f"served_model_name must be a name or a list of names, got {value!r}")
+    for name in names:
+        if not name or name != name.strip() or any(c.isspace() for c in name) or ":" in name:
+            raise InvalidConfigError(
+                f"served_model_name: {name!r} is not a valid name (non-empty, no whitespace, no ':')"
+            )
+    if not names or len(set(names)) != len(names):
+        raise InvalidConfigError(f"served_model_name must list distinct names, got {value!r}")
+    return names

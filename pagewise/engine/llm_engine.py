@@ -83,7 +83,7 @@ class LLMEngine:
         at_start = DeviceMemory.read(self.device) if budget is None else None
         self.precision = precision = config.resolve_precision()
         loaded = load_model(config.model, dtype=precision.model, cache_dir=config.cache_dir, progress=progress)
-        self.model_name = loaded.name
+        self.model_name = config.served_names(loaded.name)[0]
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.generation_eos_token_ids)
         arch = loaded.arch

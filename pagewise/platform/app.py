@@ -78,7 +78,7 @@ async def build_transport(
         return RedisTransport.from_url(
             settings.redis_url,
             settings.redis_key_prefix,
-            settings.engine.model,
+            settings.engine.listed_model_name,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
             max_queue_depth=settings.max_queue_depth,
             affinity=settings.routing_affinity,
@@ -183,7 +183,7 @@ def _lifespan(
             sessionmaker = database.sessionmaker
             store = traced_quotas(quotas or build_quota_store(settings, DatabaseLedger(database)))
             requests = RequestStore(database)
-            metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.model)
+            metrics = PlatformMetrics(lambda: transport.stats(), settings.engine.listed_model_name)
             transport = await build_transport(settings, engine, requests, store, metrics, on_engine_dead)
             services = PlatformServices(settings, EngineClient(transport), store, database, requests, metrics)
             app.state.services, app.state.sessionmaker = services, sessionmaker

@@ -215,7 +215,8 @@ def serve_command(args: argparse.Namespace) -> int:
         asyncio.run(check_redis(settings.redis_url))
         print(f"pagewise: redis {redis_address(settings.redis_url)}", file=sys.stderr)
     if settings.engine_mode == "redis":
-        print(f"pagewise: engine workers over Redis Streams, model {settings.engine.model}", file=sys.stderr)
+        model = settings.engine.listed_model_name
+        print(f"pagewise: engine workers over Redis Streams, model {model}", file=sys.stderr)
     elif (problem := engine_problem(settings)) is not None:
         raise StartupError(problem)
     configure_logging(args.log_level)  # JSON lines with trace ids, readable on a terminal; uvicorn's loggers too

@@ -90,6 +90,12 @@ class EngineClient:
         return self.info.model
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may use for the model: its listed name, then its aliases."""
+        info = self.info
+        return (info.model, *info.aliases)
+
+    @property
     def max_model_len(self) -> int:
         return self.info.limits.max_model_len
 

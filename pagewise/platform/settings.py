@@ -32,6 +32,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Engine flags (vLLM's names). `None` leaves the engine's own default in place."""
 
     model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None  # comma-separated: the listed name, then aliases
     max_model_len: int | None = None
     block_size: int | None = None
     max_num_seqs: int | None = None
@@ -52,6 +53,18 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     device: str | None = None
     seed: int | None = None
     cache_dir: str | None = None
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+
+    @property
+    def listed_model_name(self) -> str:
+        """The name the model is listed under: the first served name, else the model as given (what the workers
+        announce it under, and so the name of its Redis keys)."""
+        if self.served_model_name is None:
+            return self.model
+        return self.served_model_name.split(",", 1)[0].strip()
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The flags that were set, as keyword arguments for `EngineConfig`."""

@@ -127,6 +127,7 @@ class EngineHost:
             model=self.engine.model_name,
             limits=EngineLimits(own.vocab_size, own.max_model_len, own.max_num_seqs, own.kv_capacity_tokens),
             tokenizer=tokenizer_spec(self.engine.tokenizer) if with_tokenizer else None,
+            aliases=self.engine.config.served_names(self.engine.model_name)[1:],
         )
 
     def heartbeat(self, worker_id: str, model: str) -> WorkerHeartbeat:

@@ -234,6 +234,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     model: str
     limits: EngineLimits
     tokenizer: TokenizerSpec | None = None  # None in process, where the tokenizer object itself is shared
+    aliases: tuple[str, ...] = ()  # other names a request may use for the model (`--served-model-name`)
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -63,27 +63,29 @@ class InferenceController(Controller):
 
     @get("/models")
     async def list_models(self, request: Request[Principal, str, object], services: Services) -> ModelList:
-        """The models this key may use: all served ones, or those of them in its `allowed_models`."""
-        return ModelList([_model(services)] if _usable(request.user, services.engine.model_name) else [])
+        """The models this key may use: every name the model is served under (`--served-model-name`), or those of
+        them in its `allowed_models`."""
+        names = services.engine.model_names
+        return ModelList([_model(services, name) for name in names if _usable(request.user, name)])
 
     @get("/models/{model_id:str}")
     async def get_model(
         self, model_id: FromPath[str], request: Request[Principal, str, object], services: Services
     ) -> Model:
         """A served model this key may use; any other is a 404, as if it did not exist."""
-        if model_id != services.engine.model_name or not _usable(request.user, model_id):
+        if model_id not in services.engine.model_names or not _usable(request.user, model_id):
             raise APIError(
                 404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
             )
-        return _model(services)
+        return _model(services, model_id)
 
 
 def _usable(principal: Principal, model: str) -> bool:
     return principal.allowed_models is None or model in principal.allowed_models
 
 
-def _model(services: PlatformServices) -> Model:
-    return Model(services.engine.model_name, services.started_at, "pagewise", services.engine.max_model_len)
+def _model(services: PlatformServices, name: str) -> Model:
+    return Model(name, services.started_at, "pagewise", services.engine.max_model_len)
 
 
 async def _answer(

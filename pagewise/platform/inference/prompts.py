@@ -190,7 +190,7 @@ def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
 
 
 def _check_model(model: str, engine: EngineClient) -> None:
-    if model != engine.model_name:
+    if model not in engine.model_names:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{engine.model_name}'",
