@@ -675,25 +675,39 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 constexpr int64_t LORA_ROWS = 4;
 
-// s[r * rank + j] = x_r . a_j for the block's rows (x rows packed [rows, in]). A full block keeps four independent
-// sums per weight row (one per input row), so the multiply-adds do not wait on each other.
+// s[r * rank + j] = x_r . a_j for the block's rows (x rows packed [rows, in]). A full block takes the weight rows
+// four at a time: sixteen independent sums (four input rows by four weight rows), so each loaded element feeds
+// four multiply-adds and no multiply-add waits on another.
 PAGEWISE_CLONES
 void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int64_t in, float* s) {
-    for (int64_t j = 0; j < rank; ++j) {
-        const float* w = a + j * in;
-        if (rows == LORA_ROWS) {
-            const float *x0 = x, *x1 = x + in, *x2 = x + 2 * in, *x3 = x + 3 * in;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    int64_t j = 0;
+    if (rows == LORA_ROWS) {
+        const float *x0 = x, *x1 = x + in, *x2 = x + 2 * in, *x3 = x + 3 * in;
+        for (; j + 4 <= rank; j += 4) {
+            const float *w0 = a + j * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+            float s00 = 0.f, s01 = 0.f, s02 = 0.f, s03 = 0.f, s10 = 0.f, s11 = 0.f, s12 = 0.f, s13 = 0.f;
+            float s20 = 0.f, s21 = 0.f, s22 = 0.f, s23 = 0.f, s30 = 0.f, s31 = 0.f, s32 = 0.f, s33 = 0.f;
+#pragma omp simd reduction(+ : s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
             for (int64_t k = 0; k < in; ++k) {
-                a0 += x0[k] * w[k];
-                a1 += x1[k] * w[k];
-                a2 += x2[k] * w[k];
-                a3 += x3[k] * w[k];
+                const float a0 = x0[k], a1 = x1[k], a2 = x2[k], a3 = x3[k];
+                const float b0 = w0[k], b1 = w1[k], b2 = w2[k], b3 = w3[k];
+                s00 += a0 * b0, s01 += a0 * b1, s02 += a0 * b2, s03 += a0 * b3;
+                s10 += a1 * b0, s11 += a1 * b1, s12 += a1 * b2, s13 += a1 * b3;
+                s20 += a2 * b0, s21 += a2 * b1, s22 += a2 * b2, s23 += a2 * b3;
+                s30 += a3 * b0, s31 += a3 * b1, s32 += a3 * b2, s33 += a3 * b3;
             }
-            s[j] = a0, s[rank + j] = a1, s[2 * rank + j] = a2, s[3 * rank + j] = a3;
-            continue;
+            float* out = s + j;
+            out[0] = s00, out[1] = s01, out[2] = s02, out[3] = s03;
+            out += rank;
+            out[0] = s10, out[1] = s11, out[2] = s12, out[3] = s13;
+            out += rank;
+            out[0] = s20, out[1] = s21, out[2] = s22, out[3] = s23;
+            out += rank;
+            out[0] = s30, out[1] = s31, out[2] = s32, out[3] = s33;
         }
+    }
+    for (; j < rank; ++j) {
+        const float* w = a + j * in;
         for (int64_t r = 0; r < rows; ++r) {
             const float* xr = x + r * in;
             float sum = 0.f;
@@ -704,22 +718,35 @@ void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int
     }
 }
 
-constexpr int64_t LORA_TILE = 64;  // output columns whose sums a block keeps while it walks the rank rows
+constexpr int64_t LORA_TILE = 32;  // output columns whose sums a block keeps in registers across the rank rows
 
 // d[r * out + o] = sum over the part's rank rows j of s[r * rank + j] * b[j * out + o], for o in [lo, hi): a tile
-// of columns at a time, its sums for every row of the block held across the rank rows.
+// of columns at a time, its sums for the block's rows held across the rank rows (each weight element loaded
+// once per block).
 PAGEWISE_CLONES
 void lora_expand(const float* s, int64_t rows, int64_t rank, const float* b, int64_t out, int64_t j_lo, int64_t j_hi,
                  int64_t lo, int64_t hi, float* d) {
     for (int64_t o0 = lo; o0 < hi; o0 += LORA_TILE) {
         const int64_t width = std::min(LORA_TILE, hi - o0);
         float acc[LORA_ROWS][LORA_TILE] = {};
-        for (int64_t j = j_lo; j < j_hi; ++j) {
-            const float* bj = b + j * out + o0;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float coef = s[r * rank + j];
+        if (rows == LORA_ROWS && width == LORA_TILE) {
+            for (int64_t j = j_lo; j < j_hi; ++j) {
+                const float* bj = b + j * out + o0;
+                const float c0 = s[j], c1 = s[rank + j], c2 = s[2 * rank + j], c3 = s[3 * rank + j];
 #pragma omp simd
-                for (int64_t o = 0; o < width; ++o) acc[r][o] += coef * bj[o];
+                for (int64_t o = 0; o < LORA_TILE; ++o) {
+                    const float w = bj[o];
+                    acc[0][o] += c0 * w, acc[1][o] += c1 * w, acc[2][o] += c2 * w, acc[3][o] += c3 * w;
+                }
+            }
+        } else {
+            for (int64_t j = j_lo; j < j_hi; ++j) {
+                const float* bj = b + j * out + o0;
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float coef = s[r * rank + j];
+#pragma omp simd
+                    for (int64_t o = 0; o < width; ++o) acc[r][o] += coef * bj[o];
+                }
             }
         }
         for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * out + o0, acc[r], width * sizeof(float));

@@ -52,18 +52,20 @@ def test_restrict_renumbers_a_range_of_rows() -> None:
     assert batch.restrict(2, 3) is None
 
 
-PARTS = (24, 16, 16)  # a fused projection's parts (q, k, v): each owns 8 rank rows and its own columns
+PARTS = (24, 16, 40)  # a fused projection's parts (q, k, v): each owns PART_RANK rank rows and its own columns
+PART_RANK = 7  # 21 rank rows in all: blocks of four and a remainder
 
 
 def block_diagonal_stacks(num_slots: int, d_in: int, seed: int):
     """Float32 slot stacks as the engine lays them out: ``lora_b`` zero outside each part's block."""
-    rank = 8 * len(PARTS)
+    rank = PART_RANK * len(PARTS)
     lora_a, lora_b = random_stacks(num_slots, rank, d_in, sum(PARTS), torch.float32, seed)
     bounds = [0]
     for part, size in enumerate(PARTS):
         bounds.append(bounds[-1] + size)
-        lora_b[:, part * 8 : (part + 1) * 8, : bounds[-2]] = 0
-        lora_b[:, part * 8 : (part + 1) * 8, bounds[-1] :] = 0
+        rows = slice(part * PART_RANK, (part + 1) * PART_RANK)
+        lora_b[:, rows, : bounds[-2]] = 0
+        lora_b[:, rows, bounds[-1] :] = 0
     return lora_a, lora_b, torch.tensor(bounds)
 
 
