@@ -46,6 +46,7 @@ from pagewise.engine.core_process import AddRefused, CoreDead, EngineCoreProcess
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from pagewise.engine.limits import PromptLimits, prompt_token_ids
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
+from pagewise.engine.lora_request import LoRARequest
 from pagewise.engine.outputs import NO_USAGE, RequestOutput, RequestUsage
 from pagewise.engine.request_ids import call_id
 from pagewise.engine.sampling_params import SamplingParams
@@ -206,8 +207,10 @@ class AsyncLLMEngine:
         usage: Future | None = None,
         tenant_weight: float = 1.0,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield ``RequestOutput`` deltas for one request until it finishes. ``usage``, if given, is resolved
+        """Yield ``RequestOutput`` deltas for one request until it finishes, under ``lora_request``'s adapter if
+        given (an adapter the engine cannot serve ends the stream with its ``InvalidRequestError``). ``usage``, if given, is resolved
         with the request's final ``RequestUsage`` however the request ends (see the module docstring) — once the
         stream is first iterated: like any async generator, a stream closed before that never ran at all. The
         request arrives (for its queue time and latencies) when the stream is first iterated.
@@ -234,6 +237,7 @@ class AsyncLLMEngine:
             arrival_time=arrival,
             prompt_text=text,
             priority=priority,
+            lora_request=lora_request,
         )
         call = _Call(caller_id, add.engine_id, asyncio.get_running_loop(), asyncio.Queue(), usage, token_ids, text)
         self._register(call, add)

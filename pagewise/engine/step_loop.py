@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pagewise.engine.errors import InvalidRequestError, RequestFailedError, StepFailedError
+from pagewise.engine.lora_request import LoRARequest
 from pagewise.engine.outputs import RequestOutput
 from pagewise.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival_time: float
     prompt_text: str | None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True):
@@ -106,6 +108,7 @@ def add_request(engine: LLMEngine, add: AddRequest) -> Exception | None:
             tenant_weight=add.tenant_weight,
             arrival_time=add.arrival_time,
             priority=add.priority,
+            lora_request=add.lora_request,
         )
     except InvalidRequestError as error:
         return error

@@ -173,3 +173,41 @@ def test_lora_needs_enable_lora_and_a_valid_adapter(setup, tmp_path) -> None:
     llm.generate([[5, 6]], lora_request=requests["r8-all"], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="already names"):
         llm.generate([[5, 6]], lora_request=LoRARequest("other", 1, str(tmp_path)), use_tqdm=False)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_async_engine_streams_under_adapters(setup, process: bool) -> None:
+    """``AsyncLLMEngine.generate(lora_request=…)``, in this process and across the engine's child process: each
+    concurrent stream equals its PEFT reference; a bad adapter ends its own stream with the engine's error."""
+    import asyncio
+
+    from pagewise import AsyncLLMEngine, EngineConfig
+
+    path, requests, expected = setup
+    config = EngineConfig(model=str(path), block_size=BLOCK, dtype="float32", enable_lora=True, max_loras=2)
+    engine = AsyncLLMEngine(config, progress=False, process=process)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(prompt, adapter) -> list[int]:
+        tokens = []
+        async for output in engine.generate(prompt, params, lora_request=adapter):
+            tokens += output.outputs[0].token_ids
+        return tokens
+
+    async def run() -> None:
+        names = [None, "r8-all", "r16-all", "r8-attn"]
+        jobs = [one(p, None if n is None else requests[n]) for n in names for p in prompts()]
+        got = await asyncio.gather(*jobs)
+        assert got == [expected[n][i] for n in names for i in range(len(prompts()))]
+        with pytest.raises(InvalidRequestError, match="rank 32"):
+            config_dir = Path(requests["r8-all"].lora_path)
+            bad = config_dir.parent / "rank-too-high"
+            bad.mkdir(exist_ok=True)
+            (bad / "adapter_config.json").write_text('{"r": 32, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+            (bad / "adapter_model.safetensors").write_bytes((config_dir / "adapter_model.safetensors").read_bytes())
+            await one([5, 6], LoRARequest("bad", 42, str(bad)))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine.shutdown()
