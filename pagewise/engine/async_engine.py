@@ -212,8 +212,8 @@ class AsyncLLMEngine:
         """Yield ``RequestOutput`` deltas for one request until it finishes, under ``lora_request``'s adapter if
         given (an adapter the engine cannot serve ends the stream with its ``InvalidRequestError``). ``usage``, if
         given, is resolved with the request's final ``RequestUsage`` however the request ends (see the module
-        docstring) — once the stream is first iterated: like any async generator, a stream closed before that never ran at all. The
-        request arrives (for its queue time and latencies) when the stream is first iterated.
+        docstring) — once the stream is first iterated: like any async generator, a stream closed before that
+        never ran at all. The request arrives (for its queue time and latencies) when the stream is first iterated.
 
         Close a stream you leave early (``aclose()`` or ``contextlib.aclosing``): a bare ``break`` leaves the
         abort, and the release of ``request_id``, to the event loop's finalizer."""
