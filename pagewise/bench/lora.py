@@ -10,6 +10,10 @@ engine serves every run (``enable_lora``, ``--max-loras`` slots): the base model
 The merged baseline is what serving fine-tunes without batched LoRA costs: for each adapter in turn, its weights
 merged into the base projections (``W + scaling · B A``, the projections re-prepared for the matmul path), its
 requests run as one batch, the weights restored — the merges and restores inside the timing.
+
+``delta_ms`` times the adapter deltas alone for one step over the model's own projections (every layer): 64
+decode rows of 8 adapters and a 512-row prefill chunk of one, compiled op vs torch form (``--delta-only``: just
+that).
 """
 
 from __future__ import annotations
@@ -115,6 +119,56 @@ def merged_run(llm: LLM, workload: Workload, adapters: list[LoRARequest]) -> flo
     return produced / (time.perf_counter() - start)
 
 
+DELTA_CASES = ((64, 8), (512, 1))  # (rows, adapters): a decode step of 64 sequences, a prefill chunk of one
+
+
+def time_lora_delta(llm: LLM, backend: str, rows: int, num_adapters: int, repeats: int = 5) -> float:
+    """Milliseconds the adapter deltas of one step take on ``backend`` (``cpu``: the compiled op, ``torch``: its
+    torch form): every targeted projection of every layer, ``rows`` rows spread over ``num_adapters`` slots,
+    random inputs in the projections' dtype; the best of ``repeats``. (Fewer slots than ``num_adapters``: the rows
+    spread over every slot.)"""
+    import os
+
+    from pagewise import kernels
+    from pagewise.kernels.lora import LoraBatch
+
+    engine = llm.engine
+    projections = engine.model.lora_projections()
+    slots = min(num_adapters, engine.config.max_loras)
+    batch = LoraBatch.build([i % slots for i in range(rows)], [1.0] * engine.config.max_loras, engine.device)
+    inputs = []
+    for projection in projections:
+        linear = projection.linear
+        x = torch.randn(rows, linear.in_features).to(linear.compute_dtype)
+        inputs.append((linear, x, torch.zeros(rows, linear.out_features, dtype=linear.compute_dtype)))
+    previous = os.environ.get("PAGEWISE_KERNEL_BACKEND")
+    os.environ["PAGEWISE_KERNEL_BACKEND"] = backend
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for linear, x, y in inputs:
+                kernels.lora_add(y, x, linear.lora_a, linear.lora_b, batch, linear.lora_column_bounds)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        if previous is None:
+            os.environ.pop("PAGEWISE_KERNEL_BACKEND")
+        else:
+            os.environ["PAGEWISE_KERNEL_BACKEND"] = previous
+    return best * 1e3
+
+
+def delta_timings(llm: LLM) -> dict[str, dict[str, float]]:
+    """``time_lora_delta`` for each case of ``DELTA_CASES`` on the compiled op (where built) and the torch form."""
+    from pagewise.kernels import cpu_ops
+
+    backends = ["cpu", "torch"] if llm.engine.device.type == "cpu" and cpu_ops.available() else ["torch"]
+    return {
+        f"{rows}_rows_{adapters}_adapters": {b: time_lora_delta(llm, b, rows, adapters) for b in backends}
+        for rows, adapters in DELTA_CASES
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from pagewise import LLM, LoRARequest
 
@@ -136,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
         "max_loras": args.max_loras,
         "precision": engine.precision.describe(),
         "gemm_path": engine.gemm.path.value,
+        "delta_ms": delta_timings(llm),
     }
+    log(f"LoRA delta per step, ms: {result['delta_ms']}")
+    if args.delta_only:
+        print(json.dumps(result) if args.json else result["delta_ms"])
+        return ExitStatus.OK
     with tempfile.TemporaryDirectory(prefix="pagewise-lora-bench-") as tmp:
         requests = []
         for index in range(max(counts)):
@@ -185,9 +244,14 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="a small workload for smoke tests")
     parser.add_argument("--adapters", default="1,8,32", help="adapter counts to run (default: 1,8,32)")
-    parser.add_argument("--merged", default="8", help="adapter counts to run merged one at a time (default: 8)")
-    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (default: 8)")
+    parser.add_argument(
+        "--merged", default="8,32", help="adapter counts to run merged one at a time (default: 8,32)"
+    )
+    parser.add_argument("--max-loras", type=int, default=24, help="adapter slots (default: 24)")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--delta-only", action="store_true", help="only time the LoRA delta of one step (compiled op vs torch form)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="default: auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)

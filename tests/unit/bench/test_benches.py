@@ -116,3 +116,21 @@ def test_hop_figures_from_two_histogram_reads():
     assert figures["queue_hop_api_mean_ms"] == pytest.approx(27 / 4)
     assert figures["queue_hop_api_p50_ms"] == pytest.approx(2.0)  # the 2nd of 4 falls at the top of (1, 2] ms
     assert _hop_figures(before, before) == {"queue_hop_api_requests": 0}
+
+
+def test_lora(tiny_path, capsys):
+    """Every run of ``bench lora`` completes on a tiny model with more adapters than slots (so adapters are
+    evicted and loaded again), and it reports each figure the docs quote."""
+    from pagewise.bench import lora
+
+    parser = argparse.ArgumentParser()
+    lora.register(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(
+        ["lora", "--quick", "--json", "--model", tiny_path, "--adapters", "1,3", "--max-loras", "2", "--merged", "3"]
+    )
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["base_tokens_per_s"] > 0 and set(result["adapters"]) == {"1", "3"}
+    assert result["adapters"]["3"]["slot_loads"] >= 2  # two slots, three adapters: at least one eviction
+    assert result["merged_one_at_a_time"]["3"]["batched_vs_merged"] > 0
+    assert set(result["delta_ms"]["64_rows_8_adapters"]) <= {"cpu", "torch"}
