@@ -211,3 +211,37 @@ def test_async_engine_streams_under_adapters(setup, process: bool) -> None:
         asyncio.run(asyncio.wait_for(run(), 120))
     finally:
         engine.shutdown()
+
+
+def test_adapters_in_bf16_are_close_to_peft_in_bf16(setup, tiny_model, monkeypatch) -> None:
+    """``dtype=auto`` on a bf16 CPU (the capability patched in): base and adapters mixed in one batch are held to
+    HF + PEFT run in bf16 by vLLM's ``check_logprobs_close`` rule (``test_bf16_accuracy``)."""
+    from test_bf16_accuracy import TOP, first_divergence, hf_scored
+
+    from pagewise.engine import config as engine_config
+
+    monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: True)
+    path, requests, _ = setup
+    _, base = tiny_model("lora-base")
+    names = [None, *ADAPTERS]
+    expected = {}
+    for name in names:
+        model = copy.deepcopy(base).to(torch.bfloat16)
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, requests[name].lora_path).to(torch.bfloat16)
+        expected[name] = [hf_scored(model.eval(), p, MAX_TOKENS) for p in prompts()]
+    llm = lora_llm(path, dtype="auto", max_loras=4)
+    assert llm.stats()["precision"]["matmul"] == "bfloat16"
+    batch, adapters, keys = mixed_batch(requests)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    outputs = llm.generate(batch, params, use_tqdm=False, lora_request=adapters)
+    broken = {}
+    for (name, i), output in zip(keys, outputs, strict=True):
+        completion = output.outputs[0]
+        ours = [
+            (token, {t: lp.logprob for t, lp in sorted(step.items(), key=lambda kv: -kv[1].logprob)[:TOP]})
+            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+        ]
+        if (why := first_divergence(ours, expected[name][i])) is not None:
+            broken[(name, i)] = why
+    assert not broken, broken
