@@ -24,18 +24,25 @@ _BLOCK_K = 32
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, order_ptr, a_ptr, out_ptr, starts_ptr, slots_ptr,
-    K, N, stride_x, stride_a_slot, stride_a_row, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    seg, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's segment: its slot, and the positions, mask and rows of its tile of the segment's rows."""
+    seg, tile_m = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(starts_ptr + seg), tl.load(starts_ptr + seg + 1)
     slot = tl.load(slots_ptr + seg).to(tl.int64)
     pos = start + tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_seg = pos < end
     rows = tl.load(order_ptr + pos, mask=in_seg, other=0)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return seg, slot, pos, in_seg, rows
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, order_ptr, a_ptr, out_ptr, starts_ptr, slots_ptr,
+    K, N, stride_x, stride_a_slot, stride_a_row, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    _, slot, pos, in_seg, rows = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -56,14 +63,9 @@ def _expand_kernel(
     K, N, stride_s, stride_b_slot, stride_b_rank, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    seg, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(starts_ptr + seg), tl.load(starts_ptr + seg + 1)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
+    seg, slot, pos, in_seg, rows = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
     scaling = tl.load(scalings_ptr + seg)
-    pos = start + tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_seg = pos < end
-    rows = tl.load(order_ptr + pos, mask=in_seg, other=0)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

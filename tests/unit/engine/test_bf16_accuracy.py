@@ -75,10 +75,10 @@ def hf_scored(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return scored
 
 
-def engine_scored(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Scored]:
+def engine_scored(llm: LLM, prompts: list[list[int]], max_tokens: int, lora_request=None) -> list[Scored]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
     results = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
+    for output in llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request):
         completion = output.outputs[0]
         results.append(
             [

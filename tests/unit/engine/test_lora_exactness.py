@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_exactness import hf_greedy as hf_greedy_n
 
 from pagewise import LLM, LoRARequest, SamplingParams
 from pagewise.engine.errors import InvalidRequestError
@@ -35,16 +36,7 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_n(model, prompt, MAX_TOKENS)
 
 
 def make_adapter(base: torch.nn.Module, name: str, directory: Path) -> torch.nn.Module:
@@ -216,7 +208,7 @@ def test_async_engine_streams_under_adapters(setup, process: bool) -> None:
 def test_adapters_in_bf16_are_close_to_peft_in_bf16(setup, tiny_model, monkeypatch) -> None:
     """``dtype=auto`` on a bf16 CPU (the capability patched in): base and adapters mixed in one batch are held to
     HF + PEFT run in bf16 by vLLM's ``check_logprobs_close`` rule (``test_bf16_accuracy``)."""
-    from test_bf16_accuracy import TOP, first_divergence, hf_scored
+    from test_bf16_accuracy import engine_scored, first_divergence, hf_scored
 
     from pagewise.engine import config as engine_config
 
@@ -233,15 +225,9 @@ def test_adapters_in_bf16_are_close_to_peft_in_bf16(setup, tiny_model, monkeypat
     llm = lora_llm(path, dtype="auto", max_loras=4)
     assert llm.stats()["precision"]["matmul"] == "bfloat16"
     batch, adapters, keys = mixed_batch(requests)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outputs = llm.generate(batch, params, use_tqdm=False, lora_request=adapters)
+    ours = engine_scored(llm, batch, MAX_TOKENS, lora_request=adapters)
     broken = {}
-    for (name, i), output in zip(keys, outputs, strict=True):
-        completion = output.outputs[0]
-        ours = [
-            (token, {t: lp.logprob for t, lp in sorted(step.items(), key=lambda kv: -kv[1].logprob)[:TOP]})
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        ]
-        if (why := first_divergence(ours, expected[name][i])) is not None:
+    for (name, i), got in zip(keys, ours, strict=True):
+        if (why := first_divergence(got, expected[name][i])) is not None:
             broken[(name, i)] = why
     assert not broken, broken

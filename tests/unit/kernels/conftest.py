@@ -48,6 +48,7 @@ def _kernels_interpreted() -> bool:
         attention._reduce_splits_kernel,
         cache_ops._reshape_and_cache_kernel,
         cache_ops._copy_blocks_kernel,
+        lora._segment_rows,
         lora._shrink_kernel,
         lora._expand_kernel,
     )
