@@ -85,20 +85,27 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pagewise.engine.errors import InvalidConfigError, InvalidRequestError
     from pagewise.engine.llm import LLM
+    from pagewise.engine.lora_request import LoRARequest
     from pagewise.engine.sampling_params import SamplingParams
 
     try:
+        if args.lora is not None:
+            args.enable_lora = True
         config = engine_config_from_args(args)
         llm = LLM.from_config(config)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=config.seed
         )
+        adapter = None if args.lora is None else LoRARequest(Path(args.lora).name or "adapter", 1, args.lora)
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+            prompts = [[{"role": "user", "content": p}] for p in args.prompts]
+            outputs = llm.chat(prompts, params, lora_request=adapter)
         else:
-            outputs = llm.generate(args.prompts, params)
+            outputs = llm.generate(args.prompts, params, lora_request=adapter)
     except (InvalidConfigError, InvalidRequestError) as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitStatus.STARTUP_ERROR
@@ -125,6 +132,9 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    gen.add_argument(
+        "--lora", metavar="DIR", help="run every prompt under this LoRA adapter (PEFT's files; turns --enable-lora on)"
+    )
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -231,3 +231,18 @@ def test_adapters_in_bf16_are_close_to_peft_in_bf16(setup, tiny_model, monkeypat
         if (why := first_divergence(got, expected[name][i])) is not None:
             broken[(name, i)] = why
     assert not broken, broken
+
+
+def test_generate_command_runs_prompts_under_an_adapter(setup, capsys) -> None:
+    """``pagewise generate --lora DIR`` answers as the offline engine does under that adapter."""
+    from pagewise.cli import main
+
+    path, requests, _ = setup
+    adapter = requests["r16-all"]
+    llm = lora_llm(path)
+    want = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), lora_request=adapter, use_tqdm=False)
+    status = main(["generate", "--model", str(path), "--lora", adapter.lora_path, "--max-tokens", "4",
+                   "--dtype", "float32", "--block-size", str(BLOCK), "Hello"])  # fmt: skip
+    assert status == 0
+    assert f"### Hello\n{want[0].outputs[0].text}\n[4 tokens" in capsys.readouterr().out
+    assert main(["generate", "--model", str(path), "--lora", "/nonexistent", "Hello"]) == 2
