@@ -127,10 +127,10 @@ def time_lora_delta(llm: LLM, backend: str, rows: int, num_adapters: int, repeat
     torch form): every targeted projection of every layer, ``rows`` rows spread over ``num_adapters`` slots,
     random inputs in the projections' dtype; the best of ``repeats``. (Fewer slots than ``num_adapters``: the rows
     spread over every slot.)"""
-    import os
-
-    from pagewise import kernels
+    from pagewise.kernels import cpu_ops, lora
     from pagewise.kernels.lora import LoraBatch
+
+    lora_add = {"cpu": cpu_ops.lora_add, "torch": lora.lora_add}[backend]
 
     engine = llm.engine
     projections = engine.model.lora_projections()
@@ -141,20 +141,12 @@ def time_lora_delta(llm: LLM, backend: str, rows: int, num_adapters: int, repeat
         linear = projection.linear
         x = torch.randn(rows, linear.in_features).to(linear.compute_dtype)
         inputs.append((linear, x, torch.zeros(rows, linear.out_features, dtype=linear.compute_dtype)))
-    previous = os.environ.get("PAGEWISE_KERNEL_BACKEND")
-    os.environ["PAGEWISE_KERNEL_BACKEND"] = backend
-    try:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for linear, x, y in inputs:
-                kernels.lora_add(y, x, linear.lora_a, linear.lora_b, batch, linear.lora_column_bounds)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        if previous is None:
-            os.environ.pop("PAGEWISE_KERNEL_BACKEND")
-        else:
-            os.environ["PAGEWISE_KERNEL_BACKEND"] = previous
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for linear, x, y in inputs:
+            lora_add(y, x, linear.lora_a, linear.lora_b, batch, linear.lora_column_bounds)
+        best = min(best, time.perf_counter() - start)
     return best * 1e3
 
 

@@ -77,10 +77,6 @@ class AdapterWeights:
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     digest: str
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def adapter_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
     """The content address of an adapter: sha256 over its config's and its weights' bytes."""

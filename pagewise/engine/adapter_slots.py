@@ -115,7 +115,7 @@ class AdapterSlots:
         holds an adapter no running request uses."""
         return digest in self._slot_of or len(self._lru) < self.max_loras or any(p == 0 for p in self._pins)
 
-    def acquire(self, digest: str) -> int:
+    def acquire(self, digest: str) -> None:
         """Pin ``digest``'s slot for one more running request, loading the adapter (into a free slot, else over
         the least recently used unpinned one) if it is not resident. Requires ``can_acquire``."""
         slot = self._slot_of.get(digest)
@@ -126,7 +126,6 @@ class AdapterSlots:
         self._lru[slot] = digest
         self._lru.move_to_end(slot)
         self._pins[slot] += 1
-        return slot
 
     def release(self, digest: str) -> None:
         """One running request under ``digest`` stopped running (it stays resident until evicted)."""
