@@ -64,8 +64,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "onednn-packed; `pagewise bench gemm` times them",
     )
     group.add_argument(
-        "--enable-lora", action="store_true", default=None, help="serve LoRA adapters batched with the base model"
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters batched with the base model (on by default in serve and worker)",
     )
+    group.add_argument("--no-enable-lora", dest="enable_lora", action="store_false", default=None)
     group.add_argument("--max-loras", type=int, help="adapters resident at once (4)")
     group.add_argument("--max-lora-rank", type=int, help="the highest adapter rank accepted (16)")
     group.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (max(max_loras, 32))")

@@ -47,6 +47,7 @@ from pagewise.engine.errors import EngineDeadError, InvalidRequestError, StepFai
 from pagewise.engine.limits import PromptLimits, prompt_token_ids
 from pagewise.engine.llm_engine import LLMEngine, PromptInput
 from pagewise.engine.lora_request import LoRARequest
+from pagewise.engine.model_config import ModelArchConfig
 from pagewise.engine.outputs import NO_USAGE, RequestOutput, RequestUsage
 from pagewise.engine.request_ids import call_id
 from pagewise.engine.sampling_params import SamplingParams
@@ -111,6 +112,7 @@ class AsyncLLMEngine:
             info = self._core.info
             self.tokenizer, self.model_name, self.max_model_len = info.tokenizer, info.model_name, info.max_model_len
             self.limits: PromptLimits = info.limits
+            self.arch: ModelArchConfig = info.arch
             self.num_blocks: int = info.num_blocks
             self._stats = info.stats
         else:
@@ -118,6 +120,7 @@ class AsyncLLMEngine:
             self.tokenizer, self.model_name = self.engine.tokenizer, self.engine.model_name
             self.max_model_len = self.engine.max_model_len
             self.limits = self.engine.limits
+            self.arch = self.engine.arch
             self.num_blocks = self.engine.num_blocks
             self._stats = self.engine.stats()
         self._closed = False

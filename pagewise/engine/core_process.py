@@ -39,6 +39,7 @@ import msgspec
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import InvalidConfigError, InvalidRequestError, RequestFailedError
 from pagewise.engine.limits import PromptLimits
+from pagewise.engine.model_config import ModelArchConfig
 from pagewise.engine.outputs import RequestOutput
 from pagewise.engine.step_loop import AbortRequest, AddRequest, Stop, add_request, run_steps
 from pagewise.engine.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ class CoreInfo:
     max_model_len: int
     num_blocks: int
     limits: PromptLimits
+    arch: ModelArchConfig
     tokenizer: Tokenizer
     stats: dict[str, Any]
 
@@ -211,7 +213,13 @@ def run_core(config: EngineConfig, progress: bool, inbox: Connection, outbox: Co
         outbox.send(LoadFailed(Failure.of(error)))
         return
     info = CoreInfo(
-        engine.model_name, engine.max_model_len, engine.num_blocks, engine.limits, engine.tokenizer, engine.stats()
+        engine.model_name,
+        engine.max_model_len,
+        engine.num_blocks,
+        engine.limits,
+        engine.arch,
+        engine.tokenizer,
+        engine.stats(),
     )
     outbox.send(Ready(info))
     try:

@@ -235,7 +235,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self.process_prompt(prompt, params)
-        adapter = None if lora_request is None else self.register_adapter(lora_request)
+        adapter = None if lora_request is None else self.register_adapter(lora_request, tenant_id)
         arrival = next(self._arrivals)
         samples = []
         for index in range(params.n):
@@ -272,16 +272,17 @@ class LLMEngine:
         self.scheduler.add_request(samples[0].request, [s.request for s in samples[1:]], tenant_weight)
         self._num_added += 1
 
-    def register_adapter(self, lora_request: LoRARequest) -> str:
-        """Read and check ``lora_request``'s adapter (unless its id is known) and return its digest; raises
-        ``InvalidRequestError`` (``AdapterError``) for an adapter this engine cannot serve, or when LoRA is off."""
+    def register_adapter(self, lora_request: LoRARequest, tenant_id: str | None = None) -> str:
+        """Read and check ``lora_request``'s adapter (unless its id is known) and return the key ``tenant_id``'s
+        requests under it are scheduled by (``AdapterSlots.register``); raises ``InvalidRequestError``
+        (``AdapterError``) for an adapter this engine cannot serve, or when LoRA is off."""
         if not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError(f"lora_request must be a LoRARequest, got {lora_request!r}")
         if self.adapters is None:
             raise InvalidRequestError(
                 "this engine serves no adapters: start it with enable_lora=True", param="lora_request"
             )
-        return self.adapters.register(lora_request)
+        return self.adapters.register(lora_request, tenant_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request (all its samples) and free its blocks now. Returns its final output (unfinished
@@ -524,7 +525,7 @@ class LLMEngine:
     # ---- introspection
 
     def _adapter_stats(self) -> dict[str, Any]:
-        """Adapter slots: how many, which adapters are resident (digest -> running requests), slot loads and
+        """Adapter slots: how many, which adapters are resident (key -> running requests), slot loads and
         file reads so far; empty with LoRA off."""
         slots = self.adapters
         if slots is None:

@@ -15,6 +15,7 @@ from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
 
 from pagewise import tracing
+from pagewise.platform.adapters.controllers import AdapterController, AdminAdapterController
 from pagewise.platform.admin.controllers import AdminController
 from pagewise.platform.admin.workers import list_workers
 from pagewise.platform.batches.controllers import BatchController
@@ -84,13 +85,15 @@ async def build_transport(
             affinity=settings.routing_affinity,
         )
     from pagewise.platform.transports.loopback import LoopbackTransport
+    from pagewise.serving.adapter_store import AdapterStore
     from pagewise.serving.host import EngineHost
 
     owned = engine is None
     if engine is None:
         engine = await anyio.to_thread.run_sync(load_engine, settings, on_engine_dead)
         logger.info("%s", engine_summary(engine))
-    return LoopbackTransport(EngineHost(engine, requests, quotas, metrics), owns_engine=owned)
+    host = EngineHost(engine, requests, quotas, metrics, adapters=AdapterStore(settings.adapters_path))
+    return LoopbackTransport(host, owns_engine=owned)
 
 
 def build_quota_store(settings: Settings, ledger: MonthLedger) -> QuotaStore:
@@ -137,6 +140,8 @@ ROUTE_HANDLERS = [
     InferenceController,
     RequestController,
     FileController,
+    AdapterController,
+    AdminAdapterController,
     BatchController,
     UsageController,
     TenantController,

@@ -53,7 +53,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     device: str | None = None
     seed: int | None = None
     cache_dir: str | None = None
-    enable_lora: bool | None = None
+    enable_lora: bool | None = True  # the server serves tenants' adapters by default (a base-only step pays nothing)
     max_loras: int | None = None
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
@@ -104,6 +104,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`PAGEWISE_EXPORT_DIR`: where billing exports are written and served from (default: `<data dir>/exports`)."""
     max_file_bytes: int = 200 * 2**20
     """`PAGEWISE_MAX_FILE_BYTES`: the largest file `POST /v1/files` takes (OpenAI's batch input limit, 200 MiB)."""
+    max_adapter_bytes: int = 256 * 2**20
+    """`PAGEWISE_MAX_ADAPTER_BYTES`: the largest adapter `POST /v1/adapters` takes (its two files together)."""
     batch_lines_in_flight: int = 64
     """`PAGEWISE_BATCH_LINES_IN_FLIGHT`: a batch's lines handed to the engines at once (a tenant's batches together:
     twice that); they run at the batch priority class, so interactive work goes first."""
@@ -128,6 +130,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def files_path(self) -> Path:
         """Where uploaded files live: `files/` in the export folder, which every replica and worker mounts."""
         return self.export_path / "files"
+
+    @property
+    def adapters_path(self) -> Path:
+        """Where tenants' adapters live (`serving/adapter_store.py`): `adapters/` in the export folder, which every
+        replica and worker mounts."""
+        return self.export_path / "adapters"
 
     @property
     def is_embedded(self) -> bool:
@@ -178,6 +186,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "max_deliveries",
             "jobs_visibility_timeout_s",
             "max_file_bytes",
+            "max_adapter_bytes",
             "batch_lines_in_flight",
         ):
             if getattr(self, name) <= 0:

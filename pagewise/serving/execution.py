@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagewise.engine.errors import EngineDeadError, InvalidRequestError
+from pagewise.engine.lora_request import LoRARequest
 from pagewise.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagewise.engine.request_ids import prompt_id
+from pagewise.serving.adapter_store import AdapterStore
 from pagewise.serving.ledgers import FinishedRequest
 from pagewise.serving.protocol import (
     ChoiceDelta,
@@ -72,9 +74,19 @@ class Execution:
     """Runs `submit` on `engine` (attempt number `attempt`); its events go out, and it ends, through `settlement`
     (whose `emit` is required here)."""
 
-    def __init__(self, submit: Submit, engine: AsyncLLMEngine, settlement: Settlement, *, attempt: int = 1) -> None:
+    def __init__(
+        self,
+        submit: Submit,
+        engine: AsyncLLMEngine,
+        settlement: Settlement,
+        *,
+        attempt: int = 1,
+        adapters: AdapterStore | None = None,
+    ) -> None:
         assert settlement.emit is not None, "an execution's events have readers"
         self.submit = submit
+        self._adapters = adapters
+        self._lora_request: LoRARequest | None = None
         self.attempt = attempt
         self._engine, self._settlement, self._emit = engine, settlement, settlement.emit
         n = submit.params.n
@@ -157,9 +169,14 @@ class Execution:
         return await asyncio.shield(asyncio.ensure_future(self._settle(status, error)))
 
     def _check(self) -> None:
-        """The engine's own checks (the API ran the same against the published limits)."""
+        """The engine's own checks (the API ran the same against the published limits), and where the request's
+        adapter is (its files are read and verified when the engine takes the request)."""
         for prompt in self.submit.prompts:
             self._engine.process_prompt(prompt, self.submit.params)
+        if self.submit.adapter is not None:
+            if self._adapters is None or not self._engine.config.enable_lora:
+                raise InvalidRequestError("this engine serves no adapters", param="model")
+            self._lora_request = self._adapters.lora_request(self.submit.adapter)
 
     async def _stream(self, index: int) -> AsyncIterator[RequestOutput]:
         """Prompt `index`'s outputs. `started` is set with no suspension point before the engine's `generate`
@@ -174,6 +191,7 @@ class Execution:
             usage=state.report,
             tenant_weight=self.submit.tenant_weight,
             priority=self.submit.priority,
+            lora_request=self._lora_request,
         )
         async with aclosing(stream) as outputs:
             async for output in outputs:

@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pagewise.serving.adapter_store import AdapterStore
 from pagewise.serving.execution import Execution
 from pagewise.serving.ledgers import QuotaLedger, RequestLedger, SettlementObserver
-from pagewise.serving.protocol import EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
+from pagewise.serving.protocol import AdapterSupport, EngineInfo, EngineLimits, Event, Finished, Submit, WorkerHeartbeat
 from pagewise.serving.settlement import Emit, Hold, ReconcileAndEmit, Settlement
 from pagewise.serving.tokenizer_spec import tokenizer_spec
 
@@ -45,8 +46,11 @@ class EngineHost:
         metrics: SettlementObserver | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterStore | None = None,
     ) -> None:
+        """`adapters`: where tenants' adapters are stored (None: requests under an adapter are refused)."""
         self.engine = engine
+        self.adapters = adapters
         self.requests = requests
         self.quotas = quotas
         self.metrics = metrics
@@ -81,7 +85,8 @@ class EngineHost:
         running = self._tasks.get(request_id)
         if running is not None:
             return running
-        execution = Execution(submit, self.engine, self.settlement(emit, reconcile_and_emit, hold), attempt=attempt)
+        settlement = self.settlement(emit, reconcile_and_emit, hold)
+        execution = Execution(submit, self.engine, settlement, attempt=attempt, adapters=self.adapters)
         if self._early_aborts.pop(request_id, None) is not None:
             execution.abort()
         self.live[request_id] = execution
@@ -121,13 +126,16 @@ class EngineHost:
         return self.engine.stats()
 
     def engine_info(self, *, with_tokenizer: bool) -> EngineInfo:
-        """What this engine serves; the tokenizer travels only to processes that have no model."""
-        own = self.engine.limits
+        """What this engine serves; the tokenizer travels only to processes that have no model. It serves adapters
+        when its engine has LoRA on and this host knows the adapter store."""
+        own, config = self.engine.limits, self.engine.config
+        serves_adapters = config.enable_lora and self.adapters is not None
         return EngineInfo(
             model=self.engine.model_name,
             limits=EngineLimits(own.vocab_size, own.max_model_len, own.max_num_seqs, own.kv_capacity_tokens),
             tokenizer=tokenizer_spec(self.engine.tokenizer) if with_tokenizer else None,
-            aliases=self.engine.config.served_names(self.engine.model_name)[1:],
+            aliases=config.served_names(self.engine.model_name)[1:],
+            adapters=AdapterSupport(self.engine.arch, config.max_lora_rank) if serves_adapters else None,
         )
 
     def heartbeat(self, worker_id: str, model: str) -> WorkerHeartbeat:

@@ -87,8 +87,17 @@ class RequestLedger(Protocol):
         """The row's first token: `queued` → `running` (a row no longer queued is left as it is)."""
         ...
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Billed | None:
-        """The guarded final write, its cost and the day's usage together (see the module's invariants)."""
+    async def finish(
+        self,
+        request_id: str,
+        tenant_id: str,
+        model: str,
+        result: FinishedRequest,
+        *,
+        price_models: tuple[str, ...] | None = None,
+    ) -> Billed | None:
+        """The guarded final write, its cost and the day's usage (under `model`) together (see the module's
+        invariants); priced by the first of `price_models` (default: `model`) that has a price in effect."""
         ...
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:

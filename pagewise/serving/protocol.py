@@ -21,6 +21,7 @@ from typing import TypeAlias
 
 import msgspec
 
+from pagewise.engine.model_config import ModelArchConfig
 from pagewise.engine.sampling_params import SamplingParams
 from pagewise.serving.money import micros_for
 
@@ -150,11 +151,24 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     param: str | None = None
 
 
+class AdapterRef(msgspec.Struct, frozen=True):
+    """A tenant's LoRA adapter as a request carries it: its id (`adapter-…`, also what a per-adapter price is
+    keyed by), the name the tenant gave it, and the sha256 content address (`adapter_files.adapter_digest`) under
+    which its files sit in the adapter store — the worker loads them from there and refuses files that hash
+    otherwise."""
+
+    id: str
+    name: str
+    digest: str
+
+
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     """One admitted request: its row exists (`queued`) and `reservation` holds its quota.
 
     `prompts` are token ids, already validated against the engine's `EngineInfo`; each runs `params.n`
-    samples. `deadline` (Unix seconds) is when an engine that has not started it must give up on it.
+    samples. `deadline` (Unix seconds) is when an engine that has not started it must give up on it. `model` is
+    the base model's listed name (what workers are keyed by); `adapter`, when set, the tenant's adapter it runs
+    under.
     """
 
     request_id: str
@@ -168,6 +182,23 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     priority: int = 0  # vLLM's: lower runs first; the body's, never better than the key's class allows
     deadline: float | None = None
     traceparent: str | None = None
+    adapter: AdapterRef | None = None
+
+    @property
+    def usage_model(self) -> str:
+        """The model its row, its usage and its bill are recorded under: `<base>:<adapter name>` under an
+        adapter, else the base model."""
+        return self.model if self.adapter is None else f"{self.model}:{self.adapter.name}"
+
+    @property
+    def price_models(self) -> tuple[str, ...]:
+        return price_models(self.model, self.adapter)
+
+
+def price_models(model: str, adapter: AdapterRef | None) -> tuple[str, ...]:
+    """Where a request's price is looked up, first match wins: its adapter's own price (keyed by the adapter's
+    id), then its base model's."""
+    return (model,) if adapter is None else (adapter.id, model)
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
@@ -228,6 +259,14 @@ class TokenizerSpec(msgspec.Struct, frozen=True):
     special_tokens: dict[str, str]
 
 
+class AdapterSupport(msgspec.Struct, frozen=True):
+    """An engine that serves LoRA adapters: the base model's shape and the largest rank, which is all an API
+    replica needs to check an upload exactly as a worker will load it (`adapter_files.parse_adapter`)."""
+
+    arch: ModelArchConfig
+    max_lora_rank: int
+
+
 class EngineInfo(msgspec.Struct, frozen=True):
     """What an engine serves: published by every worker of a model, read by API replicas at start."""
 
@@ -235,6 +274,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     limits: EngineLimits
     tokenizer: TokenizerSpec | None = None  # None in process, where the tokenizer object itself is shared
     aliases: tuple[str, ...] = ()  # other names a request may use for the model (`--served-model-name`)
+    adapters: AdapterSupport | None = None  # None: the engine serves the base model only (LoRA off)
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):

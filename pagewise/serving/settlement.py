@@ -98,7 +98,9 @@ class Settlement:
             deadline, delay = time.monotonic() + FINAL_WRITE_PATIENCE_S, 0.1
             while True:
                 try:
-                    billed = await self.requests.finish(request_id, submit.tenant_id, submit.model, result)
+                    billed = await self.requests.finish(
+                        request_id, submit.tenant_id, submit.usage_model, result, price_models=submit.price_models
+                    )
                     break
                 except Exception as error:
                     if not self.requests.is_unreachable(error) or time.monotonic() + delay > deadline:

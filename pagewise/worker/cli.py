@@ -73,6 +73,7 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     from pagewise.platform.requests.store import RequestStore
     from pagewise.platform.telemetry import PlatformMetrics
     from pagewise.platform.tracing import traced_database, traced_quotas
+    from pagewise.serving.adapter_store import AdapterStore
     from pagewise.serving.host import EngineHost
     from pagewise.serving.protocol import RedisKeys
     from pagewise.tracing import configure_from_env
@@ -95,7 +96,9 @@ async def _serve(settings: Any, args: argparse.Namespace) -> int:
     try:
         engine = await anyio.to_thread.run_sync(load_engine, settings, engine_died)
         logger.info("%s", engine_summary(engine))
-        host = EngineHost(engine, RequestStore(db), traced_quotas(quotas))
+        host = EngineHost(
+            engine, RequestStore(db), traced_quotas(quotas), adapters=AdapterStore(settings.adapters_path)
+        )
         host.metrics = PlatformMetrics(host.stats, engine.model_name)
         if args.metrics_port is not None:
             serve_metrics(host.metrics.registry, args.metrics_host, args.metrics_port, settings.metrics_token)

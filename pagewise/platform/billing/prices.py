@@ -72,9 +72,22 @@ def price_in_effect(connection: Connection, model: str, moment: dt.datetime) -> 
     return connection.execute(PRICE_IN_EFFECT, {"model": model, "moment": moment.astimezone(dt.UTC)}).first()
 
 
-async def current_rate(database: Database, model: str, prompt_tokens: int) -> SpendRate | None:
-    """How admission counts a request's reserved tokens as spend: at `model`'s price now (`None`: unpriced)."""
-    price = await database.run(partial(price_in_effect, model=model, moment=utcnow()))
+def first_price_in_effect(
+    connection: Connection, models: tuple[str, ...], moment: dt.datetime
+) -> PriceTerms | None:
+    """The price in effect at `moment` of the first of `models` that has one: a request under a tenant's adapter
+    is priced by the adapter's own price (keyed by its id) where the operator set one, else by its base model's."""
+    for model in models:
+        price = price_in_effect(connection, model, moment)
+        if price is not None:
+            return price
+    return None
+
+
+async def current_rate(database: Database, models: tuple[str, ...], prompt_tokens: int) -> SpendRate | None:
+    """How admission counts a request's reserved tokens as spend: at the price now of the first of `models` that
+    has one (`None`: unpriced)."""
+    price = await database.run(partial(first_price_in_effect, models=models, moment=utcnow()))
     if price is None:
         return None
     return SpendRate(prompt_tokens, price.input_per_mtok_micros, price.output_per_mtok_micros)

@@ -43,6 +43,18 @@ def seconds_between(start: dt.datetime | None, end: dt.datetime | None) -> str:
     return f"{(end - start).total_seconds() * 1000:,.0f} ms"
 
 
+def size(value: int) -> str:
+    """A byte count in the largest binary unit (up to GiB) that keeps it at least 1."""
+    if value < 1024:
+        return f"{value:,} B"
+    scaled = float(value)
+    for unit in ("KiB", "MiB", "GiB"):
+        scaled /= 1024
+        if scaled < 1024 or unit == "GiB":
+            break
+    return f"{scaled:,.1f} {unit}"
+
+
 def limit(value: int | None) -> str:
     """A quota: `None` is no limit."""
     return "no limit" if value is None else f"{value:,}"
@@ -50,7 +62,7 @@ def limit(value: int | None) -> str:
 
 def environment() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATE_DIR), autoescape=True, undefined=StrictUndefined)
-    env.filters.update(when=when, number=number, percent=percent, limit=limit, dollars=format_dollars)
+    env.filters.update(when=when, number=number, percent=percent, limit=limit, size=size, dollars=format_dollars)
     env.globals["seconds_between"] = seconds_between
     return env
 

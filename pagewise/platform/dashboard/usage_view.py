@@ -61,6 +61,20 @@ def usage_chart(
     return stacked_bars(columns, names, "tokens")
 
 
+def usage_totals(page: UsagePage, group: GroupField) -> dict[str, UsageResult]:
+    """`group`'s key → its results summed over every bucket of `page` (a page grouped by `group` alone)."""
+    totals: dict[str, UsageResult] = {}
+    for bucket in page.data:
+        for r in bucket.results:
+            total = totals.setdefault(_group_key(r, group), UsageResult())
+            total.num_model_requests += r.num_model_requests
+            total.input_tokens += r.input_tokens
+            total.output_tokens += r.output_tokens
+            total.input_cached_tokens += r.input_cached_tokens
+            total.cost_micros += r.cost_micros
+    return totals
+
+
 def usage_csv(page: UsagePage) -> str:
     """One row per bucket and group, bucket bounds in ISO 8601 UTC; empty buckets are left out."""
     out = io.StringIO()

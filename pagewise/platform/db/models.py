@@ -276,3 +276,39 @@ class BatchLine(Base):
     claimed_at: Mapped[dt.datetime | None]
     attempts: Mapped[int] = mapped_column(default=0)  # requests it was handed over as
     result: Mapped[dict[str, Any] | None]
+
+
+class Adapter(Base):
+    """A tenant's LoRA adapter for the base model `base_model` (its listed name), requested as
+    `<base_model>:<name>`. Its files live in the adapter store (`serving/adapter_store.py`) under `digest`, their
+    content address; the row is written only once they are there and passed every check against the base model.
+
+    `name` is unique among a tenant's adapters not deleted (a partial unique index); `status` is `active` or
+    `disabled` (a disabled adapter is listed but refuses requests). `deleted_at` is set when it is deleted: it is
+    gone from every listing and lookup; its usage rows stay, and its files are removed once no adapter row uses
+    their digest. Another tenant's adapter is never visible (`adapters/service.py` `tenant_adapters`)."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        Index(
+            "uq_adapters_tenant_id_name",
+            "tenant_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        Index("ix_adapters_digest", "digest"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    base_model: Mapped[str] = mapped_column(String(200))
+    digest: Mapped[str] = mapped_column(String(64))
+    rank: Mapped[int] = mapped_column(Integer)
+    target_modules: Mapped[list[Any]]
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[dt.datetime | None]

@@ -7,8 +7,13 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from pagewise.platform.adapters.schemas import model_name
+from pagewise.platform.adapters.service import tenant_adapters
 from pagewise.platform.bodies import StrictBody, parse_body
+from pagewise.platform.db.models import Adapter
+from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import APIError
 from pagewise.platform.inference.job import InferenceJob
 from pagewise.platform.inference.prompts import PreparedRequest, prepare_chat, prepare_completion
@@ -62,30 +67,49 @@ class InferenceController(Controller):
                              completion_events, completion)
 
     @get("/models")
-    async def list_models(self, request: Request[Principal, str, object], services: Services) -> ModelList:
-        """The models this key may use: every name the model is served under (`--served-model-name`), or those of
-        them in its `allowed_models`."""
-        names = services.engine.model_names
-        return ModelList([_model(services, name) for name in names if _usable(request.user, name)])
+    async def list_models(
+        self, request: Request[Principal, str, object], services: Services, db_session: DbSession
+    ) -> ModelList:
+        """The models this key may use: every name the model is served under (`--served-model-name`), then the
+        caller's active adapters on it (`<model>:<adapter>`), or those of them in its `allowed_models`."""
+        names = [*services.engine.model_names, *await _adapter_models(db_session, services, request.user)]
+        return ModelList([_model(services, name, request.user) for name in names if _usable(request.user, name)])
 
     @get("/models/{model_id:str}")
     async def get_model(
-        self, model_id: FromPath[str], request: Request[Principal, str, object], services: Services
+        self,
+        model_id: FromPath[str],
+        request: Request[Principal, str, object],
+        services: Services,
+        db_session: DbSession,
     ) -> Model:
-        """A served model this key may use; any other is a 404, as if it did not exist."""
-        if model_id not in services.engine.model_names or not _usable(request.user, model_id):
+        """A served model or one of the caller's adapters this key may use; any other is a 404, as if it did not
+        exist (another tenant's adapter included)."""
+        known = model_id in services.engine.model_names or model_id in await _adapter_models(
+            db_session, services, request.user
+        )
+        if not known or not _usable(request.user, model_id):
             raise APIError(
                 404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
             )
-        return _model(services, model_id)
+        return _model(services, model_id, request.user)
+
+
+async def _adapter_models(session: AsyncSession, services: PlatformServices, principal: Principal) -> list[str]:
+    """The names the caller's active adapters are requested by, oldest first."""
+    base = services.engine.model_name
+    query = tenant_adapters(principal.tenant_id).where(Adapter.status == "active", Adapter.base_model == base)
+    return [model_name(row.base_model, row.name) for row in await session.scalars(query.order_by(Adapter.id))]
 
 
 def _usable(principal: Principal, model: str) -> bool:
-    return principal.allowed_models is None or model in principal.allowed_models
+    allowed = principal.allowed_models
+    return allowed is None or model in allowed or model.partition(":")[0] in allowed
 
 
-def _model(services: PlatformServices, name: str) -> Model:
-    return Model(name, services.started_at, "pagewise", services.engine.max_model_len)
+def _model(services: PlatformServices, name: str, principal: Principal) -> Model:
+    owner = "pagewise" if ":" not in name else principal.tenant_name
+    return Model(name, services.started_at, owner, services.engine.max_model_len)
 
 
 async def _answer(

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -32,6 +33,8 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from pagewise import tracing
+from pagewise.platform.adapters.schemas import model_name
+from pagewise.platform.adapters.service import resolve_adapter
 from pagewise.platform.billing.prices import current_rate
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import RequestRecord
@@ -56,6 +59,7 @@ from pagewise.serving.protocol import (
     Reservation,
     Submit,
     Usage,
+    price_models,
 )
 from pagewise.serving.settlement import Settlement
 
@@ -141,7 +145,14 @@ class InferenceJob:
         """Check capacity and the key's models, reserve quota (tenant and key, tokens and spend), persist the
         `queued` row, hand the request to an engine. A batch line passes the id it claimed and its batch's."""
         services.engine.transport.check_capacity(principal.tenant_id)
-        if principal.allowed_models is not None and prepared.model not in principal.allowed_models:
+        if prepared.adapter is None and prepared.model != prepared.base_model:
+            adapter = await resolve_adapter(services, principal.tenant_id, prepared.model)
+            # recorded, billed and answered under one name, whichever alias of the base the request used
+            canonical = model_name(services.engine.model_name, adapter.name)
+            prepared = dataclasses.replace(prepared, model=canonical, adapter=adapter)
+        if principal.allowed_models is not None and not {prepared.model, prepared.base_model} & set(
+            principal.allowed_models
+        ):
             raise APIError(
                 403,
                 f"This API key may not use model '{prepared.model}'; it may use: {', '.join(principal.allowed_models)}",
@@ -155,7 +166,8 @@ class InferenceJob:
         submit = Submit(
             request_id=request_id,
             tenant_id=principal.tenant_id,
-            model=prepared.model,
+            model=prepared.base_model,
+            adapter=prepared.adapter,
             endpoint=prepared.endpoint,
             prompts=prepared.prompts,
             params=prepared.params,
@@ -345,7 +357,8 @@ async def _reserve(
     tokens, slots, key = prepared.reserved_tokens, prepared.num_sequences, principal.key_quota
     rate = None  # reserved spend only matters to a spend budget; the bill itself is priced at settlement
     if _has_spend_budget(principal):
-        rate = await current_rate(services.database, prepared.model, sum(len(p) for p in prepared.prompts))
+        models = price_models(prepared.base_model, prepared.adapter)
+        rate = await current_rate(services.database, models, sum(len(p) for p in prepared.prompts))
     spend = 0 if rate is None else rate.cost(tokens)
     refusal = never_fits(principal.limits, tokens, slots, spend) or (
         key and never_fits(key.limits, tokens, slots, spend, "key")

@@ -34,6 +34,7 @@ from pagewise.platform.inference.tools import ToolPlan, plan_tools, render_messa
 from pagewise.platform.inference.tools import constraint as tool_constraint
 from pagewise.platform.keys.auth import Principal
 from pagewise.platform.quotas.admission import REQUEST_EXCEEDS_LIMIT
+from pagewise.serving.protocol import AdapterRef
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Work up to this size is rendered and tokenized on the event loop: with the default model's chat template that
@@ -59,6 +60,12 @@ class PreparedRequest:
     include_usage: bool
     tools: ToolPlan | None = None  # a chat request's offered functions (`inference/tools.py`)
     priority: int = 0  # the engine's class for it: the body's, never better than the key's class allows
+    adapter: AdapterRef | None = None  # the tenant's adapter `model` names (`<base>:<adapter>`), once resolved
+
+    @property
+    def base_model(self) -> str:
+        """The served model's name as the request gave it (`model` without its `:<adapter>`)."""
+        return self.model.partition(":")[0]
 
     @property
     def num_sequences(self) -> int:
@@ -190,7 +197,9 @@ def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
 
 
 def _check_model(model: str, engine: EngineClient) -> None:
-    if model not in engine.model_names:
+    """The base model must be served here; an adapter named after it (`<base>:<adapter>`) is resolved at admission
+    (`adapters.service.resolve_adapter`), where the database is."""
+    if model.partition(":")[0] not in engine.model_names:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{engine.model_name}'",

@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pagewise.platform.billing.prices import price_in_effect, request_cost
+from pagewise.platform.billing.prices import first_price_in_effect, request_cost
 from pagewise.platform.db.database import Database
 from pagewise.platform.db.faults import is_database_fault
 from pagewise.platform.db.models import UNFINISHED_STATUSES, RequestRecord, UsageDaily, as_utc
@@ -63,12 +63,22 @@ class RequestStore:
         values = {"status": RequestStatus.RUNNING.value, "started_at": started_at, "first_token_at": first_token_at}
         await self._database.run(partial(_execute, _START, {"request_id": request_id, **values}))
 
-    async def finish(self, request_id: str, tenant_id: str, model: str, result: FinishedRequest) -> Billed | None:
-        """The final write, its cost and the day's usage, in one transaction. Returns what it billed when this call
-        finished the row; `None` when it was already terminal (finished before, or failed by a sweep) — then
-        nothing changes.
+    async def finish(
+        self,
+        request_id: str,
+        tenant_id: str,
+        model: str,
+        result: FinishedRequest,
+        *,
+        price_models: tuple[str, ...] | None = None,
+    ) -> Billed | None:
+        """The final write, its cost and the day's usage (under `model`), in one transaction, priced by the first of
+        `price_models` (default: `model`) with a price in effect. Returns what it billed when this call finished
+        the row; `None` when it was already terminal (finished before, or failed by a sweep) — then nothing
+        changes.
         """
-        return await self._database.run(partial(_finish, request_id, tenant_id, model, result))
+        prices = price_models or (model,)
+        return await self._database.run(partial(_finish, request_id, tenant_id, model, prices, result))
 
     async def final_state(self, request_id: str) -> FinishedRequest | None:
         """What the row's final write recorded, or `None` while it is unfinished (or missing)."""
@@ -146,11 +156,16 @@ def _execute(statement: Executable, values: dict[str, Any], connection: Connecti
 
 
 def _finish(
-    request_id: str, tenant_id: str, model: str, result: FinishedRequest, connection: Connection
+    request_id: str,
+    tenant_id: str,
+    model: str,
+    price_models: tuple[str, ...],
+    result: FinishedRequest,
+    connection: Connection,
 ) -> Billed | None:
     """`RequestStore.finish`'s unit of work. The usage row is the tenant's, model's and (as the row names it)
     key's, on the day of `finished_at`."""
-    price = price_in_effect(connection, model, result.finished_at)
+    price = first_price_in_effect(connection, price_models, result.finished_at)
     tokens = (result.prompt_tokens, result.cached_tokens, result.completion_tokens)
     cost = request_cost(price, *tokens)
     values = msgspec.structs.asdict(result)

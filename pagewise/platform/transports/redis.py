@@ -1,8 +1,10 @@
 """The distributed mode's transport: Submits to `pagewise worker` processes over Redis Streams.
 
-- Routing keeps per-tenant prefix caches useful: a tenant's requests go to the live worker with the highest
-  rendezvous score for (tenant, worker) — stable while the set of workers is, and moving only the tenants of a
-  worker that joins or leaves — unless that worker is saturated (its running + waiting sequences, plus what this
+- Routing keeps per-tenant prefix caches and adapter slots useful: a tenant's requests go to the live worker with
+  the highest rendezvous score for (tenant, worker) — for (tenant, adapter, worker) when the request runs under one
+  of the tenant's adapters, so each adapter of a tenant is loaded where its requests already went, and a tenant's
+  adapters spread over the workers — stable while the set of workers is, and moving only the pairs of a worker
+  that joins or leaves — unless that worker is saturated (its running + waiting sequences, plus what this
   replica sent it since its last heartbeat, reach `max_num_seqs`); then the least loaded live worker takes it.
   `affinity=False` routes every request to the least loaded worker (what a blind balancer does).
 - Backpressure: when no worker is live, or the sequences waiting across live workers exceed `max_queue_depth`,
@@ -176,21 +178,23 @@ class RedisTransport:
             headers={"Retry-After": "2"},
         )
 
-    def route(self, tenant_id: str) -> WorkerHeartbeat:
-        """The worker that takes `tenant_id`'s next request (see the module docstring)."""
+    def route(self, tenant_id: str, adapter_digest: str | None = None) -> WorkerHeartbeat:
+        """The worker that takes `tenant_id`'s next request, under the adapter of `adapter_digest` if given (see
+        the module docstring)."""
         self.check_capacity(tenant_id)
+        affinity_key = tenant_id if adapter_digest is None else f"{tenant_id}\x00{adapter_digest}"
 
         def load(w: WorkerHeartbeat) -> int:
             return w.load + self._sent_since_beat.get(w.worker_id, Counter()).total()
 
         if self._affinity:
-            preferred = max(self._workers, key=lambda w: _rendezvous(tenant_id, w.worker_id))
+            preferred = max(self._workers, key=lambda w: _rendezvous(affinity_key, w.worker_id))
             if load(preferred) < preferred.max_num_seqs:
                 return preferred
         return min(self._workers, key=lambda w: (load(w) / max(w.max_num_seqs, 1), w.worker_id))
 
     async def submit(self, submit: Submit) -> None:
-        worker = self.route(submit.tenant_id)
+        worker = self.route(submit.tenant_id, None if submit.adapter is None else submit.adapter.digest)
         inbox = self._keys.submissions(worker.worker_id)
         with tracing.enqueue_span(submit, "redis", inbox) as traced:
             await self._redis.xadd(inbox, {"m": encode(traced)})
@@ -215,6 +219,6 @@ class RedisTransport:
             await pipe.execute()
 
 
-def _rendezvous(tenant_id: str, worker_id: str) -> int:
-    digest = hashlib.blake2b(f"{tenant_id}\x00{worker_id}".encode(), digest_size=8).digest()
+def _rendezvous(affinity_key: str, worker_id: str) -> int:
+    digest = hashlib.blake2b(f"{affinity_key}\x00{worker_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

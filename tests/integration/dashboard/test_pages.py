@@ -133,6 +133,46 @@ async def test_usage_csv_and_key_usage_count_a_request(platform: Platform, admin
     assert bad.status_code == 400 and "range must be one of short, medium, long" in bad.text
 
 
+async def test_tenant_page_lists_live_adapters_with_their_month_usage(
+    platform: Platform, admin_browser: httpx.AsyncClient
+) -> None:
+    """A live adapter is listed with the model name requests use and its usage this month; a deleted one is not."""
+    import datetime as dt
+
+    from pagewise.platform.db.ids import new_id
+    from pagewise.platform.db.models import Adapter, UsageDaily, utcnow
+
+    tenant = await platform.create_tenant()
+    common = {"tenant_id": tenant["id"], "base_model": MODEL, "digest": "ab" * 32, "rank": 8, "bytes": 3 * 2**20}
+    async with platform.app.state.sessionmaker() as session:
+        session.add(Adapter(id=new_id("adapter", "-"), name="pirate", target_modules=["q_proj", "v_proj"], **common))
+        session.add(
+            Adapter(id=new_id("adapter", "-"), name="gone", target_modules=["q_proj"], deleted_at=utcnow(), **common)
+        )
+        session.add(
+            UsageDaily(
+                tenant_id=tenant["id"],
+                day=dt.datetime.now(dt.UTC).date(),
+                model=f"{MODEL}:pirate",
+                requests=3,
+                prompt_tokens=1200,
+                completion_tokens=34,
+                cached_tokens=0,
+                cost_micros=1_500_000,
+            )
+        )
+        await session.commit()
+    page = await admin_browser.get(f"{UI}/tenants/{tenant['id']}")
+    assert page.status_code == 200, page.text
+    [row] = [part for part in page.text.split("<tr ")[1:] if "data-adapter-id" in part]
+    assert "pirate" in row and f"<code>{MODEL}:pirate</code>" in row and "q_proj, v_proj" in row and "3.0 MiB" in row
+    assert '<td class="num">3</td>' in row and '<td class="num">1,234</td>' in row and "$1.500000" in row
+    assert "gone" not in page.text and f"{MODEL}:gone" not in page.text
+
+    empty = await admin_browser.get(f"{UI}/tenants/{(await platform.create_tenant())['id']}")
+    assert "No adapters." in empty.text
+
+
 async def test_schema_page_loads_nothing_from_another_host(platform: Platform) -> None:
     page = await platform.http.get("/schema")
     assert page.status_code == 200 and "SwaggerUIBundle" in page.text

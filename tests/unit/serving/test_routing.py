@@ -37,6 +37,19 @@ def test_a_tenant_sticks_to_one_worker_and_tenants_spread() -> None:
     assert set(picks.values()) == {"a", "b", "c"}
 
 
+def test_each_adapter_of_a_tenant_sticks_to_one_worker_and_a_tenants_adapters_spread() -> None:
+    """A tenant-adapter pair is routed where its adapter is already loaded: stable per pair, spread over the workers
+    (not all on the tenant's own worker), spilling over like a tenant's requests when its worker is full."""
+    transport = _transport(_beat("a"), _beat("b"), _beat("c"))
+    digests = [f"{i:064x}" for i in range(30)]
+    picks = {d: transport.route("ten_1", d).worker_id for d in digests}
+    assert all(transport.route("ten_1", d).worker_id == w for d, w in picks.items())
+    assert set(picks.values()) == {"a", "b", "c"}
+    on_a = next(d for d, w in picks.items() if w == "a")
+    full = _transport(_beat("a", running=8), _beat("b", running=1), _beat("c", running=5))
+    assert full.route("ten_1", on_a).worker_id == "b"
+
+
 def test_a_worker_leaving_moves_only_its_own_tenants() -> None:
     three = _transport(_beat("a"), _beat("b"), _beat("c"))
     two = _transport(_beat("a"), _beat("c"))

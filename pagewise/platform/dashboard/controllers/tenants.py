@@ -1,5 +1,8 @@
 """Tenants: list, create, edit name, quotas and weight, suspend and reactivate — through `TenantService`, so the
-dashboard refuses exactly what the API refuses (bounds, duplicate names, suspending the last admin tenant)."""
+dashboard refuses exactly what the API refuses (bounds, duplicate names, suspending the last admin tenant).
+
+A tenant's page lists its live adapters (`adapters.service.tenant_adapters`: never a deleted one) with this UTC
+month's usage of each adapter's model name, read from the same `usage_page` as the usage page."""
 
 from __future__ import annotations
 
@@ -9,19 +12,39 @@ from urllib.parse import quote
 from litestar import Controller, Request, get, post
 from litestar.params import FromPath
 from litestar.response import Redirect, Template
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from pagewise.platform.adapters.schemas import AdapterObject, adapter_object
+from pagewise.platform.adapters.service import tenant_adapters
 from pagewise.platform.dashboard.access import Admin
 from pagewise.platform.dashboard.forms import SCOPES, tenant_create, tenant_status, tenant_update
 from pagewise.platform.dashboard.key_usage import usage_by_key
 from pagewise.platform.dashboard.pages import back, refused, render
+from pagewise.platform.dashboard.usage_view import usage_totals
+from pagewise.platform.db.models import Adapter
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.service import KeyService, key_out
 from pagewise.platform.tenants.schemas import QUOTA_BOUNDS, TenantCreate
 from pagewise.platform.tenants.service import TenantService
+from pagewise.platform.usage.service import UsageResult, usage_page
 
 KEY_USAGE_WINDOW = dt.timedelta(days=30)
 QUOTA_LABELS = {field: field.replace("_", " ").capitalize() for field in QUOTA_BOUNDS}  # form order and labels
+
+
+async def _adapters(session: AsyncSession, tenant_id: str) -> tuple[list[AdapterObject], dict[str, UsageResult]]:
+    """`tenant_id`'s live adapters, newest first, and model name → its usage since this UTC month began (only
+    models used this month are keys; no usage query when there are no adapters)."""
+    rows = await session.scalars(tenant_adapters(tenant_id).order_by(Adapter.id.desc()))
+    adapters = [adapter_object(row) for row in rows]
+    if not adapters:
+        return adapters, {}
+    month = dt.datetime.now(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    page = await usage_page(
+        session, start_time=int(month.timestamp()), end_time=None, width="1d", group_by=["model"], tenant_id=tenant_id
+    )
+    return adapters, usage_totals(page, "model")
 
 
 class TenantPages(Controller):
@@ -52,6 +75,7 @@ class TenantPages(Controller):
         tenant = await TenantService(db_session).get(tenant_id)
         keys = [key_out(k) for k in await KeyService(db_session).list(tenant_id)]
         since = dt.datetime.now(dt.UTC) - KEY_USAGE_WINDOW
+        adapters, adapter_usage = await _adapters(db_session, tenant_id)
         return await render(
             request,
             admin,
@@ -61,6 +85,8 @@ class TenantPages(Controller):
             keys=keys,
             usage=await usage_by_key(db_session, since, tenant_id=tenant_id),
             usage_days=KEY_USAGE_WINDOW.days,
+            adapters=adapters,
+            adapter_usage=adapter_usage,
             quota_labels=QUOTA_LABELS,
             scopes=SCOPES,
         )
