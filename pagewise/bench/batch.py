@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import random
 import sys
@@ -69,8 +70,10 @@ async def _processed(http, base: str, admin: dict[str, str]) -> int:
     return stats["prompt_tokens_total"] + stats["generation_tokens_total"]
 
 
-async def _interactive(http, base: str, key: str, model: str, args: argparse.Namespace, seconds: float) -> list[float]:
-    """One streamed request a second for `seconds`, open loop; the TTFT of each (seconds)."""
+async def _interactive(
+    http, base: str, key: str, model: str, args: argparse.Namespace, seconds: float
+) -> list[tuple[str, float]]:
+    """One streamed request a second for `seconds`, open loop; the id and TTFT (seconds) of each."""
     rng, ttfts = random.Random(f"interactive:{time.time()}"), []
 
     async def one() -> None:
@@ -80,12 +83,13 @@ async def _interactive(http, base: str, key: str, model: str, args: argparse.Nam
         async with http.stream("POST", f"{base}/v1/chat/completions", json=body,
                                headers={"Authorization": f"Bearer {key}"}) as response:
             response.raise_for_status()
-            first = None
+            first, request_id = None, None
             async for line in response.aiter_lines():
                 if first is None and _has_token(line):
                     first = time.perf_counter() - start
+                    request_id = json.loads(line.removeprefix("data: "))["id"]
         if first is not None:
-            ttfts.append(first)
+            ttfts.append((request_id, first))
 
     tasks, begin = [], time.perf_counter()
     for k in range(int(seconds)):
@@ -93,6 +97,28 @@ async def _interactive(http, base: str, key: str, model: str, args: argparse.Nam
         tasks.append(asyncio.create_task(one()))
     await asyncio.gather(*tasks)
     return ttfts
+
+
+async def _breakdown(http, base: str, key: str, measured: list[tuple[str, float]]) -> dict[str, float]:
+    """Where the interactive requests' TTFT went, from their rows (p50 / p99 ms of each part): `before_row` —
+    request sent to its row written (auth, preparation, admission) plus first token to the client (delivery);
+    `hand_over` — row written to the engine side taking it; `engine` — taken to first token (the engine's queue,
+    its steps, the pipe back)."""
+    parts: dict[str, list[float]] = {"before_row_and_delivery": [], "hand_over": [], "engine": []}
+    for request_id, ttft in measured:
+        row = (await http.get(f"{base}/v1/requests/{request_id}", headers={"Authorization": f"Bearer {key}"})).json()
+        if row.get("started_at") is None or row.get("first_token_at") is None:
+            continue
+        queued, started, first = (dt.datetime.fromisoformat(row[f]).timestamp() for f in
+                                  ("queued_at", "started_at", "first_token_at"))
+        parts["before_row_and_delivery"].append(ttft - (first - queued))
+        parts["hand_over"].append(started - queued)
+        parts["engine"].append(first - started)
+    out = {}
+    for name, values in parts.items():
+        summary = latency_summary(name, values)
+        out.update({k: v for k, v in summary.items() if k.endswith(("p50_ms", "p99_ms"))})
+    return out
 
 
 async def _window(http, base: str, admin: dict[str, str], seconds: float, work) -> tuple[float, Any]:
@@ -142,6 +168,7 @@ async def _phases(base: str, admin_key: str, args: argparse.Namespace) -> dict[s
         d = args.duration
         await _interactive(http, base, interactive_key, model, args, args.warmup)
         solo_tps, solo = await _window(http, base, admin, d, _interactive(http, base, interactive_key, model, args, d))
+        solo_parts = await _breakdown(http, base, interactive_key, solo)
         progress(f"solo: {len(solo)} interactive requests, {solo_tps:.0f} processed tok/s")
         await _full_load(http, base, batch_key, model, args, args.warmup)
         full_tps, _ = await _window(http, base, admin, d, _full_load(http, base, batch_key, model, args, d))
@@ -150,11 +177,18 @@ async def _phases(base: str, admin_key: str, args: argparse.Namespace) -> dict[s
         await asyncio.sleep(args.warmup)
         interactive = _interactive(http, base, interactive_key, model, args, d)
         mixed_tps, mixed = await _window(http, base, admin, d, interactive)
+        mixed_parts = await _breakdown(http, base, interactive_key, mixed)
         state = (await http.get(f"{base}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {batch_key}"}))
         counts = state.json()["request_counts"]
         await http.post(f"{base}/v1/batches/{batch_id}/cancel", headers={"Authorization": f"Bearer {batch_key}"})
         progress(f"batch: {len(mixed)} interactive requests, {mixed_tps:.0f} processed tok/s, lines done {counts}")
-    return {"solo": (solo_tps, solo), "full_load": full_tps, "batch": (mixed_tps, mixed), "batch_counts": counts}
+    return {
+        "solo": (solo_tps, [t for _, t in solo]),
+        "full_load": full_tps,
+        "batch": (mixed_tps, [t for _, t in mixed]),
+        "batch_counts": counts,
+        "ttft_parts": {"solo": solo_parts, "batch": mixed_parts},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +233,7 @@ def _result(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any]:
         "full_load": {"processed_tokens_per_s": phases["full_load"]},
         "batch": {**mixed_summary, "requests": len(mixed), "processed_tokens_per_s": mixed_tps,
                   "request_counts_at_end": phases["batch_counts"]},
+        "interactive_ttft_parts": phases["ttft_parts"],
         "interactive_ttft_p99_ratio": ratio,
         "batch_share_of_spare": share,
         "target_interactive_ttft_p99_ratio_max": TARGET_TTFT_P99_RATIO_MAX,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from contextlib import contextmanager
@@ -161,6 +162,45 @@ def delta_timings(llm: LLM) -> dict[str, dict[str, float]]:
     }
 
 
+def vllm_side_by_side(
+    args: argparse.Namespace,
+    workload: Workload,
+    adapter_dirs: list[str],
+    counts: list[int],
+    base: float,
+    by_count: dict[str, dict[str, float]],
+) -> dict[str, object]:
+    """The same requests, adapters and slots through vLLM's CPU build (``bench vllm``'s environment and driver),
+    after pagewise's runs: its output tokens/s per run, and pagewise's over vLLM's for each."""
+    from pagewise.bench.versus_vllm import (
+        default_home,
+        ensure_environment,
+        ensure_weights,
+        vllm_dtype_for,
+        vllm_offline,
+    )
+
+    home = Path(args.vllm_home).expanduser() if args.vllm_home else default_home()
+    python = ensure_environment(home)
+    weights = ensure_weights(args.model, home)
+    runs = [{"name": "base", "adapters": None}] + [
+        {"name": str(count), "adapters": [adapter_dirs[i % count] for i in range(len(workload.prompts))]}
+        for count in counts
+    ]
+    lora = {"max_loras": args.max_loras, "max_lora_rank": args.rank, "max_cpu_loras": max(args.max_loras, *counts)}
+    dtype = vllm_dtype_for(args.dtype)
+    log(f"vLLM ({dtype}): the base model, then {', '.join(map(str, counts))} adapters")
+    figures = vllm_offline(python, weights, workload, dtype, False, len(os.sched_getaffinity(0)),
+                           {"lora": lora, "runs": runs})
+    ours = {"base": base, **{count: row["tokens_per_s"] for count, row in by_count.items()}}
+    out: dict[str, object] = {"vllm_version": figures["vllm_version"], "dtype": dtype}
+    for name, run_figures in figures["runs"].items():
+        rate = run_figures["output_tokens_per_s"]
+        out[name] = {"vllm_tokens_per_s": rate, "pagewise_vs_vllm": ours[name] / rate}
+        log(f"vLLM {name}: {rate:.1f} out tok/s (pagewise {ours[name] / rate:.2f}x)")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from pagewise import LLM, LoRARequest
 
@@ -219,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
             }
             log(f"{count} adapters merged one at a time: {rate:.1f} out tok/s")
         result["merged_one_at_a_time"] = merged_rates
+        if args.vllm:
+            result["vllm"] = vllm_side_by_side(args, workload, [r.lora_path for r in requests], counts, base, by_count)
     if args.json:
         print(json.dumps(result))
     else:
@@ -246,6 +288,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="default: auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm", action="store_true", help="then the same requests and adapters through vLLM's CPU build (bench vllm)"
+    )
+    parser.add_argument("--vllm-home", help="vLLM's environment (default: bench vllm's)")
     parser.set_defaults(func=run)
 
 

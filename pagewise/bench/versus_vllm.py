@@ -129,8 +129,11 @@ def sampling(sampled: bool) -> dict[str, float]:
 # ---- offline
 
 
-def vllm_offline(python: Path, weights: Path, workload: Any, dtype: str, sampled: bool, threads: int) -> dict:
-    """vLLM's figures on `workload` (``vllm_driver.py`` in its environment; its logs pass through on stderr)."""
+def vllm_offline(
+    python: Path, weights: Path, workload: Any, dtype: str, sampled: bool, threads: int, extra: dict | None = None
+) -> dict:
+    """vLLM's figures on `workload` (``vllm_driver.py`` in its environment; its logs pass through on stderr);
+    `extra`: more of the driver's spec (its adapters and runs)."""
     spec = {
         "model_dir": str(weights),
         "dtype": dtype,
@@ -141,6 +144,7 @@ def vllm_offline(python: Path, weights: Path, workload: Any, dtype: str, sampled
         "sampling": sampling(sampled),
         "warm_up": WARM_UP,
         "warm_up_tokens": WARM_UP_TOKENS,
+        **(extra or {}),
     }
     with tempfile.TemporaryDirectory(prefix="pagewise-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -241,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --num-requests must be at least 2 and --rate positive (inf: all at once)", file=sys.stderr)
         return ExitStatus.STARTUP_ERROR
     args.home = Path(args.home).expanduser() if args.home else default_home()
-    args.vllm_dtype = args.vllm_dtype or _vllm_dtype_for(args.dtype)
+    args.vllm_dtype = args.vllm_dtype or vllm_dtype_for(args.dtype)
     args.rates = args.rates or [float("inf"), 0.75]
     started = time.perf_counter()
     try:
@@ -282,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     return ExitStatus.OK if errors == 0 else ExitStatus.FAILED
 
 
-def _vllm_dtype_for(dtype: str) -> str:
+def vllm_dtype_for(dtype: str) -> str:
     """vLLM's dtype for pagewise's `dtype` when none is given: the same, with `auto` resolved as pagewise does."""
     if dtype != "auto":
         return dtype

@@ -29,8 +29,8 @@ async def test_deltas_go_before_the_final_write_and_the_end_after(
 
         return real_run(submit, recording_emit, **kw)
 
-    async def recording_finish(*args: Any) -> Any:
-        settled = await real_finish(*args)
+    async def recording_finish(*args: Any, **kwargs: Any) -> Any:
+        settled = await real_finish(*args, **kwargs)
         log.append("final write")
         return settled
 

@@ -23,5 +23,8 @@ def test_bench_batch_quick_json() -> None:
         assert figures["processed_tokens_per_s"] > 0
     assert result["full_load"]["processed_tokens_per_s"] > result["solo"]["processed_tokens_per_s"]
     assert result["batch"]["request_counts_at_end"]["completed"] > 0  # the batch ran during the window
+    for phase in ("solo", "batch"):
+        parts = result["interactive_ttft_parts"][phase]
+        assert 0 < parts["engine_p50_ms"] < result[phase]["ttft_p99_ms"] and parts["hand_over_p50_ms"] >= 0
     assert result["interactive_ttft_p99_ratio"] > 0 and math.isfinite(result["batch_share_of_spare"])
     assert isinstance(result["meets_targets"], bool)
