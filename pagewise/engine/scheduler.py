@@ -241,13 +241,16 @@ class Scheduler:
 
     def _step_budget(self, owed: list[Request]) -> int:
         """When waiting requests are ``owed`` service ahead of the running ones, a short budget — their prompts (at
-        most ``interrupt_budget``) plus a token per running request — so that their first tokens do not wait for a
-        long step; else the full budget, or under ``fair`` the shared one while two or more tenants have had work
-        lately."""
+        most ``interrupt_budget``) plus a token per running request of their class or better (a worse class's
+        decodes, scheduled after them, wait for the next step, as they would behind an interrupting step) — so that
+        their first tokens do not wait for a long step; else the full budget, or under ``fair`` the shared one while
+        two or more tenants have had work lately."""
         if owed:
             assert self.interrupt_budget is not None
             prompts = min(sum(_to_compute(r) for r in owed), self.interrupt_budget)
-            return min(self.max_num_batched_tokens, prompts + len(self.running))
+            worst_owed = max(r.priority for r in owed)
+            decodes = sum(1 for r in self.running if r.priority <= worst_owed)
+            return min(self.max_num_batched_tokens, prompts + decodes)
         if self.fair is None or self.shared_max_num_batched_tokens == self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         tenants = {tenant_of(r) for queue in (self.running, self.waiting, self.swapped) for r in queue}

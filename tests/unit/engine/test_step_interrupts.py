@@ -123,6 +123,24 @@ def test_a_better_class_interrupts_and_the_same_class_does_not(make_llm, alone) 
     assert _run(engine) == alone
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_better_class_arriving_between_steps_skips_the_worse_class_decodes_once(make_llm, alone, policy) -> None:
+    """Between two steps no step can be paused: the next one is short for the arrival, and a worse class's running
+    decodes wait for the step after it (as they would behind an interrupting step); outputs stay exact."""
+    llm = make_llm(scheduling_policy=policy)
+    engine = llm.engine
+    _flood(engine, priority=1)
+    flood = list(engine.scheduler.waiting)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in flood):
+        engine.step()
+    engine.add_request("quiet", QUIET, GREEDY, tenant_id="other", priority=0)
+    lengths = [len(r.token_ids) for r in flood]
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["quiet"] and len(outputs[0].outputs[0].token_ids) == 1
+    assert [len(r.token_ids) for r in flood] == lengths
+    assert _run(engine) == alone
+
+
 def test_interrupts_can_be_turned_off_and_are_capped_per_step(make_llm, alone) -> None:
     llm = make_llm(scheduling_policy="fcfs", enable_step_interrupts=False)
     engine = llm.engine
