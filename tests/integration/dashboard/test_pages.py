@@ -173,6 +173,78 @@ async def test_tenant_page_lists_live_adapters_with_their_month_usage(
     assert "No adapters." in empty.text
 
 
+async def test_tenant_page_lists_its_newest_batches_with_their_progress(
+    platform: Platform, admin_browser: httpx.AsyncClient
+) -> None:
+    """A tenant's batches are listed with status, endpoint, line counts, progress and result files; another
+    tenant's are not; past 20 only the 20 newest are, and the page says so. (Closed batches only: the app's batch
+    runner would otherwise run the lines while the page is read.)"""
+    import datetime as dt
+    import re
+
+    from pagewise.platform.db.ids import new_id
+    from pagewise.platform.db.models import Batch, BatchLine, StoredFile, utcnow
+
+    async def add_batches(tenant_id: str, count: int, lines: tuple[str, ...] = (), **fields: str) -> list[str]:
+        """`count` batches of `tenant_id` (their ids, oldest first), the first with `lines` in these statuses."""
+        now = utcnow()
+        file = StoredFile(
+            id=new_id("file", "-"),
+            tenant_id=tenant_id,
+            purpose="batch",
+            filename="in.jsonl",
+            bytes=10,
+            line_count=len(lines),
+            sha256="0" * 64,
+        )
+        ids = sorted(new_id("batch") for _ in range(count))
+        async with platform.app.state.sessionmaker() as session:
+            session.add(file)
+            await session.flush()
+            common = {
+                "tenant_id": tenant_id,
+                "input_file_id": file.id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+                "status": "completed",
+                "created_at": now,
+                "expires_at": now + dt.timedelta(hours=24),
+            }
+            session.add_all(Batch(id=batch_id, **{**common, **fields}) for batch_id in ids)
+            await session.flush()
+            session.add_all(
+                BatchLine(batch_id=ids[0], custom_id=f"req-{n}", line=n, body={}, status=status)
+                for n, status in enumerate(lines, 1)
+            )
+            await session.commit()
+        return ids
+
+    tenant, other = await platform.create_tenant(), await platform.create_tenant()
+    output_id = "file-0123456789ab-out"
+    [batch_id] = await add_batches(
+        tenant["id"], 1, ("succeeded", "succeeded", "failed", "cancelled"), status="cancelled", output_file_id=output_id
+    )
+    others = await add_batches(other["id"], 21)
+
+    page = await admin_browser.get(f"{UI}/tenants/{tenant['id']}")
+    assert page.status_code == 200, page.text
+    [row] = [part for part in page.text.split("<tr ")[1:] if "data-batch-id" in part]
+    assert f"<code>{batch_id}</code>" in row and '<span class="badge cancelled">cancelled</span>' in row
+    assert "<code>/v1/chat/completions</code>" in row and f'<td><code class="small">{output_id}</code></td>' in row
+    assert row.count("<td>—</td>") == 1  # no error file
+    assert re.findall(r'<td class="num">([^<]*)</td>', row) == ["2", "1", "4", "75.0%"]
+    assert "No batches." not in page.text and "newest batches" not in page.text
+    assert not any(other_id in page.text for other_id in others)
+
+    crowded = (await admin_browser.get(f"{UI}/tenants/{other['id']}")).text
+    assert "Showing this tenant's 20 newest batches; it has more." in crowded
+    assert all(other_id in crowded for other_id in others[1:]) and others[0] not in crowded
+    assert batch_id not in crowded
+
+    empty = await admin_browser.get(f"{UI}/tenants/{(await platform.create_tenant())['id']}")
+    assert "No batches." in empty.text
+
+
 async def test_schema_page_loads_nothing_from_another_host(platform: Platform) -> None:
     page = await platform.http.get("/schema")
     assert page.status_code == 200 and "SwaggerUIBundle" in page.text

@@ -2,7 +2,9 @@
 dashboard refuses exactly what the API refuses (bounds, duplicate names, suspending the last admin tenant).
 
 A tenant's page lists its live adapters (`adapters.service.tenant_adapters`: never a deleted one) with this UTC
-month's usage of each adapter's model name, read from the same `usage_page` as the usage page."""
+month's usage of each adapter's model name, read from the same `usage_page` as the usage page; and its newest
+batches (`batches.service.tenant_batches`, shaped by `batch_out` as the Batch API returns them: request counts
+included), read-only."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pagewise.platform.adapters.schemas import AdapterObject, adapter_object
 from pagewise.platform.adapters.service import tenant_adapters
+from pagewise.platform.batches.schemas import BatchObject
+from pagewise.platform.batches.service import batch_out, tenant_batches
 from pagewise.platform.dashboard.access import Admin
 from pagewise.platform.dashboard.forms import SCOPES, tenant_create, tenant_status, tenant_update
 from pagewise.platform.dashboard.key_usage import usage_by_key
 from pagewise.platform.dashboard.pages import back, refused, render
 from pagewise.platform.dashboard.usage_view import usage_totals
-from pagewise.platform.db.models import Adapter
+from pagewise.platform.db.models import Adapter, Batch
 from pagewise.platform.db.session import DbSession
 from pagewise.platform.errors import APIError
 from pagewise.platform.keys.service import KeyService, key_out
@@ -30,6 +34,7 @@ from pagewise.platform.tenants.service import TenantService
 from pagewise.platform.usage.service import UsageResult, usage_page
 
 KEY_USAGE_WINDOW = dt.timedelta(days=30)
+BATCHES_SHOWN = 20
 QUOTA_LABELS = {field: field.replace("_", " ").capitalize() for field in QUOTA_BOUNDS}  # form order and labels
 
 
@@ -45,6 +50,12 @@ async def _adapters(session: AsyncSession, tenant_id: str) -> tuple[list[Adapter
         session, start_time=int(month.timestamp()), end_time=None, width="1d", group_by=["model"], tenant_id=tenant_id
     )
     return adapters, usage_totals(page, "model")
+
+
+async def _batches(session: AsyncSession, tenant_id: str) -> tuple[list[BatchObject], bool]:
+    """`tenant_id`'s newest `BATCHES_SHOWN` batches, newest first (ids sort by creation), and whether it has more."""
+    rows = list(await session.scalars(tenant_batches(tenant_id).order_by(Batch.id.desc()).limit(BATCHES_SHOWN + 1)))
+    return [await batch_out(session, row) for row in rows[:BATCHES_SHOWN]], len(rows) > BATCHES_SHOWN
 
 
 class TenantPages(Controller):
@@ -76,6 +87,7 @@ class TenantPages(Controller):
         keys = [key_out(k) for k in await KeyService(db_session).list(tenant_id)]
         since = dt.datetime.now(dt.UTC) - KEY_USAGE_WINDOW
         adapters, adapter_usage = await _adapters(db_session, tenant_id)
+        batches, more_batches = await _batches(db_session, tenant_id)
         return await render(
             request,
             admin,
@@ -87,6 +99,9 @@ class TenantPages(Controller):
             usage_days=KEY_USAGE_WINDOW.days,
             adapters=adapters,
             adapter_usage=adapter_usage,
+            batches=batches,
+            more_batches=more_batches,
+            batches_shown=BATCHES_SHOWN,
             quota_labels=QUOTA_LABELS,
             scopes=SCOPES,
         )
