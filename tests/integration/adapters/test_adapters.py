@@ -336,6 +336,7 @@ async def test_a_worker_behind_redis_serves_tenant_adapters(
     settings = Settings.from_env(
         {}, database_url=database_url, auto_migrate=False, admin_key=generate_key().key, redis_url=REDIS_URL,
         redis_key_prefix=redis_key_prefix, engine_mode="redis", worker_heartbeat_s=0.2, export_dir=str(tmp_path),
+        engine={"served_model_name": BASE},  # the name the worker announces the model under
     )
     app = create_app(settings, quotas=quotas)
     async with app.lifespan():
