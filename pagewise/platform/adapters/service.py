@@ -24,8 +24,8 @@ from pagewise.engine.adapter_files import AdapterError, parse_adapter
 from pagewise.platform.adapters.schemas import model_name
 from pagewise.platform.db.ids import new_id
 from pagewise.platform.db.models import Adapter, utcnow
-from pagewise.platform.engine_client import EngineClient
 from pagewise.platform.errors import APIError, invalid_request, not_found
+from pagewise.platform.inference.prompts import model_not_found
 from pagewise.platform.services import PlatformServices
 from pagewise.serving.adapter_store import AdapterStore
 from pagewise.serving.protocol import AdapterRef
@@ -59,15 +59,6 @@ async def get_adapter(session: AsyncSession, tenant_id: str, adapter_id: str) ->
 
 def adapter_store(services: PlatformServices) -> AdapterStore:
     return AdapterStore(services.settings.adapters_path)
-
-
-def model_not_found(model: str, engine: EngineClient) -> APIError:
-    return APIError(
-        404,
-        f"The model '{model}' does not exist; this server serves '{engine.model_name}' and your adapters on it",
-        code="model_not_found",
-        param="model",
-    )
 
 
 async def register_adapter(

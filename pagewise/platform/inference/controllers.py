@@ -14,9 +14,8 @@ from pagewise.platform.adapters.service import tenant_adapters
 from pagewise.platform.bodies import StrictBody, parse_body
 from pagewise.platform.db.models import Adapter
 from pagewise.platform.db.session import DbSession
-from pagewise.platform.errors import APIError
 from pagewise.platform.inference.job import InferenceJob
-from pagewise.platform.inference.prompts import PreparedRequest, prepare_chat, prepare_completion
+from pagewise.platform.inference.prompts import PreparedRequest, model_not_found, prepare_chat, prepare_completion
 from pagewise.platform.inference.rendering import (
     SettlingStream,
     chat_completion,
@@ -89,9 +88,7 @@ class InferenceController(Controller):
             db_session, services, request.user
         )
         if not known or not _usable(request.user, model_id):
-            raise APIError(
-                404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
-            )
+            raise model_not_found(model_id, services.engine)
         return _model(services, model_id, request.user)
 
 

@@ -200,12 +200,18 @@ def _check_model(model: str, engine: EngineClient) -> None:
     """The base model must be served here; an adapter named after it (`<base>:<adapter>`) is resolved at admission
     (`adapters.service.resolve_adapter`), where the database is."""
     if model.partition(":")[0] not in engine.model_names:
-        raise APIError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{engine.model_name}'",
-            code="model_not_found",
-            param="model",
-        )
+        raise model_not_found(model, engine)
+
+
+def model_not_found(model: str, engine: EngineClient) -> APIError:
+    """The 404 for a model this caller cannot use: not served here, or not one of its own adapters (another
+    tenant's adapter gets exactly this answer)."""
+    return APIError(
+        404,
+        f"The model '{model}' does not exist; this server serves '{engine.model_name}' and your adapters on it",
+        code="model_not_found",
+        param="model",
+    )
 
 
 def _check_sequences(principal: Principal, num_prompts: int, n: int) -> None:
