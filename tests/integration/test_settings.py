@@ -11,7 +11,10 @@ from pagewise.platform.settings import Settings, SettingsError
 def test_defaults_are_embedded_mode() -> None:
     settings = Settings.from_env({})
     assert settings.database_url == default_database_url() and settings.is_embedded
-    assert settings.engine.engine_kwargs() == {"model": "smollm2-135m-instruct", "scheduling_policy": "fair"}
+    # the server shares the engine fairly and serves tenants' adapters unless told otherwise
+    assert settings.engine.engine_kwargs() == {
+        "model": "smollm2-135m-instruct", "scheduling_policy": "fair", "enable_lora": True
+    }
 
 
 def test_environment_and_overrides() -> None:
@@ -28,6 +31,7 @@ def test_environment_and_overrides() -> None:
         "max_model_len": 512,
         "enable_prefix_caching": False,
         "scheduling_policy": "fair",
+        "enable_lora": True,
     }
 
 
