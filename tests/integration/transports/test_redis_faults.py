@@ -30,7 +30,7 @@ from pagewise.worker.redis_worker import RedisWorker
 
 from ..conftest import REDIS_URL
 from ..harness import Platform, bearer, chat_body
-from .conftest import with_admin
+from .conftest import STOP_TIMEOUT_S, _within, with_admin
 
 pytestmark = pytest.mark.anyio
 
@@ -103,7 +103,7 @@ async def worker_behind_proxy(
                 yield platform, worker, running, proxy
         finally:
             worker.stop()
-            await asyncio.wait_for(running, 60)
+            await _within(running, STOP_TIMEOUT_S)  # past it: fails with every task's stack, never hangs
             await client.aclose()
             await proxy.close()
     await quotas.close()
