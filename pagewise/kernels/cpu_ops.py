@@ -80,7 +80,7 @@ def silu_and_mul(gate_up):
 
 
 def lora_add(y, x, lora_a, lora_b, batch, column_bounds) -> None:
-    """``lora.lora_add``'s contract in one compiled call (float32 stacks; x and y float32 or bf16)."""
+    """``lora.lora_add``'s contract in one compiled call (float32 or bf16 stacks; x and y float32 or bf16)."""
     torch.ops.pagewise_cpu.lora_add(
         y, x, lora_a, lora_b, batch.order, batch.segment_starts, batch.segment_slots, batch.segment_scalings,
         column_bounds,

@@ -1,7 +1,8 @@
 """Batched LoRA deltas for one step: many adapters and the base model in one batch (Punica's segmented gather
 matmul, SGMV).
 
-A projection targeted by adapters holds a float32 stack of every adapter slot's weights: ``lora_a``
+A projection targeted by adapters holds a stack of every adapter slot's weights in its compute dtype (float32,
+or bf16 for a bf16 projection: the products then take bf16 inputs and accumulate in float32): ``lora_a``
 ``[slots, R, in]`` (PEFT's ``A`` rows) and ``lora_b`` ``[slots, R, out]`` (PEFT's ``B`` transposed), ``R`` = the
 projection's parts × the engine's max rank. A fused projection's parts sit block-diagonally in ``lora_b``: part
 ``p`` owns rank rows ``p·R/parts …`` and only its own columns (``column_bounds[p] … column_bounds[p+1]``); lower

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -213,6 +214,13 @@ void attend_unit(const float* queries, const uint16_t* key_cache, const uint16_t
 // the values are widened to float32 and accumulated with the exact float32 probabilities. So the result is the
 // float32 attention of the bf16-rounded query over the cache, summed in another order.
 #define PAGEWISE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define PAGEWISE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+bool cpu_has_avx512() {
+    static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    return has;
+}
 
 bool cpu_has_bf16_dot() {
     static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
@@ -238,7 +246,7 @@ PAGEWISE_BF16_DOT inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // Lane j of the result: the sum of the sixteen lanes of v[j].
-PAGEWISE_BF16_DOT inline __m512 sum_lanes_of_16(const __m512* v) {
+PAGEWISE_AVX512 inline __m512 sum_lanes_of_16(const __m512* v) {
     __m512 pairs[8], quads[4];
     for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] partials at 0 and 2, v[2i+1] at 1 and 3
         pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -665,32 +673,37 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     return out;
 }
 
-// ---- LoRA: each row's adapter delta, rows grouped by adapter slot (Punica's SGMV), in float32.
+// ---- LoRA: each row's adapter delta, rows grouped by adapter slot (Punica's SGMV).
 //
 // y[order[i]] += scaling[s] * (x[order[i]] @ lora_a[slot]^T) @ lora_b[slot] for every position i of segment s, where
-// lora_a is [slots, R, in] and lora_b [slots, R, out] (float32). A fused projection's parts own R / parts rank rows
-// each and only their own columns (column_bounds[p] .. column_bounds[p + 1]): the other blocks are zero and skipped.
-// Work goes in blocks of up to LORA_ROWS rows of one segment: a block's inputs are widened once, each weight row is
-// loaded once for all its rows, and the delta is added to y (widened and rounded back for a bf16 y) row by row.
+// lora_a is [slots, R, in] and lora_b [slots, R, out], both float32 or both bf16 (the stacks of a bf16 projection).
+// A fused projection's parts own R / parts rank rows each and only their own columns (column_bounds[p] ..
+// column_bounds[p + 1]): the other blocks are zero and skipped. Work goes in blocks of up to LORA_ROWS rows of one
+// segment: a block's inputs are packed once, each weight row is loaded once for all its rows, the shrink's result
+// and the delta stay float32, and the delta is added to y (widened and rounded back for a bf16 y) row by row.
+// Float32 stacks: float32 products. bf16 stacks: the inputs are rounded to bf16 as the bf16 projection itself
+// rounds them; on a CPU with AVX512-BF16 the shrink sums exact bf16 products in float32 (`vdpbf16ps`), elsewhere
+// the weights are widened as they are loaded; the expand widens its bf16 weights and multiplies in float32.
 
 constexpr int64_t LORA_ROWS = 4;
 
-// s[r * rank + j] = x_r . a_j for the block's rows (x rows packed [rows, in]). A full block takes the weight rows
-// four at a time: sixteen independent sums (four input rows by four weight rows), so each loaded element feeds
-// four multiply-adds and no multiply-add waits on another.
-PAGEWISE_CLONES
-void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int64_t in, float* s) {
+// s[r * rank + j] = x_r . a_j for the block's rows (x rows packed [rows, in], float32; weights float32 or bf16). A
+// full block takes the weight rows four at a time: sixteen independent sums (four input rows by four weight rows),
+// so each loaded element feeds four multiply-adds and no multiply-add waits on another.
+template <typename W>
+inline __attribute__((always_inline)) void lora_shrink_body(const float* x, int64_t rows, const W* a, int64_t rank,
+                                                            int64_t in, float* s) {
     int64_t j = 0;
     if (rows == LORA_ROWS) {
         const float *x0 = x, *x1 = x + in, *x2 = x + 2 * in, *x3 = x + 3 * in;
         for (; j + 4 <= rank; j += 4) {
-            const float *w0 = a + j * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+            const W *w0 = a + j * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
             float s00 = 0.f, s01 = 0.f, s02 = 0.f, s03 = 0.f, s10 = 0.f, s11 = 0.f, s12 = 0.f, s13 = 0.f;
             float s20 = 0.f, s21 = 0.f, s22 = 0.f, s23 = 0.f, s30 = 0.f, s31 = 0.f, s32 = 0.f, s33 = 0.f;
 #pragma omp simd reduction(+ : s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
             for (int64_t k = 0; k < in; ++k) {
                 const float a0 = x0[k], a1 = x1[k], a2 = x2[k], a3 = x3[k];
-                const float b0 = w0[k], b1 = w1[k], b2 = w2[k], b3 = w3[k];
+                const float b0 = widen(w0[k]), b1 = widen(w1[k]), b2 = widen(w2[k]), b3 = widen(w3[k]);
                 s00 += a0 * b0, s01 += a0 * b1, s02 += a0 * b2, s03 += a0 * b3;
                 s10 += a1 * b0, s11 += a1 * b1, s12 += a1 * b2, s13 += a1 * b3;
                 s20 += a2 * b0, s21 += a2 * b1, s22 += a2 * b2, s23 += a2 * b3;
@@ -707,50 +720,179 @@ void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int
         }
     }
     for (; j < rank; ++j) {
-        const float* w = a + j * in;
+        const W* w = a + j * in;
         for (int64_t r = 0; r < rows; ++r) {
             const float* xr = x + r * in;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t k = 0; k < in; ++k) sum += xr[k] * w[k];
+            for (int64_t k = 0; k < in; ++k) sum += xr[k] * widen(w[k]);
             s[r * rank + j] = sum;
         }
     }
 }
 
+PAGEWISE_CLONES
+void lora_shrink(const float* x, int64_t rows, const float* a, int64_t rank, int64_t in, float* s) {
+    lora_shrink_body(x, rows, a, rank, in, s);
+}
+
+PAGEWISE_CLONES
+void lora_shrink(const float* x, int64_t rows, const uint16_t* a, int64_t rank, int64_t in, float* s) {
+    lora_shrink_body(x, rows, a, rank, in, s);
+}
+
+#if defined(__x86_64__)
+// ---- the same on AVX-512: every loop over a block's rows or a tile's vectors has a fixed trip count, so the
+// sixteen accumulators stay in registers (rows past the block's end are skipped, never read or written).
+
+// Sixteen weights as float32: loaded, or widened from bf16 (the top half of a float32's bits); lanes outside
+// `mask` are zero.
+PAGEWISE_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+PAGEWISE_AVX512 inline __m512 load16(const uint16_t* p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Stores the lanes of `v` in `mask`: as they are, or rounded to nearest even bf16 (as `narrow`).
+PAGEWISE_AVX512 inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+PAGEWISE_AVX512 inline void store16(uint16_t* p, __m512 v, __mmask16 mask) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm512_mask_cvtepi32_storeu_epi16(p, mask, _mm512_srli_epi32(rounded, 16));
+}
+
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// `lora_shrink` on AVX-512 (float32 input rows; float32 or bf16 weights): four weight rows by the block's rows,
+// sixteen inputs a step (the last step masked), reduced together by `sum_lanes_of_16`.
+template <typename W>
+PAGEWISE_AVX512 void lora_shrink_avx512(const float* x, int64_t rows, const W* a, int64_t rank, int64_t in, float* s) {
+    for (int64_t j = 0; j < rank; j += 4) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; k += 16) {
+            const __mmask16 mask = lanes_below(in - k);
+            __m512 w[4];
+            for (int q = 0; q < 4; ++q) w[q] = j + q < rank ? load16(a + (j + q) * in + k, mask) : _mm512_setzero_ps();
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m512 xr = _mm512_maskz_loadu_ps(mask, x + r * in + k);
+                for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_fmadd_ps(xr, w[q], acc[r * 4 + q]);
+            }
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, sum_lanes_of_16(acc));
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t q = 0; q < 4 && j + q < rank; ++q) s[r * rank + j + q] = sums[r * 4 + q];
+    }
+}
+
+// `lora_shrink` for bf16 input rows and weights with AVX512-BF16: each sum is of exact products of two bf16
+// values, accumulated in float32 32 elements a step (the last step masked).
+PAGEWISE_BF16_DOT
+void lora_shrink_bf16_dot(const uint16_t* x, int64_t rows, const uint16_t* a, int64_t rank, int64_t in, float* s) {
+    for (int64_t j = 0; j < rank; j += 4) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; k += 32) {
+            const __mmask32 mask = in - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
+            __m512bh w[4];
+            for (int q = 0; q < 4; ++q)
+                w[q] = (__m512bh)(j + q < rank ? _mm512_maskz_loadu_epi16(mask, a + (j + q) * in + k)
+                                               : _mm512_setzero_si512());
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m512bh xr = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in + k);
+                for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_dpbf16_ps(acc[r * 4 + q], xr, w[q]);
+            }
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, sum_lanes_of_16(acc));
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t q = 0; q < 4 && j + q < rank; ++q) s[r * rank + j + q] = sums[r * 4 + q];
+    }
+}
+
+// y_r[o] += scaling * sum over rank rows j in [j_lo, j_hi) of s[r * rank + j] * b[j * out + o], for o in [lo, hi)
+// and each of the block's rows r: 64 columns at a time, their sums for the block's rows in sixteen registers
+// across the rank rows, added to y (rounded back for a bf16 y) once per tile.
+template <typename W, typename Y>
+PAGEWISE_AVX512 void lora_expand_add_avx512(const float* s, int64_t rows, int64_t rank, const W* b, int64_t out,
+                                            int64_t j_lo, int64_t j_hi, int64_t lo, int64_t hi, float scaling,
+                                            Y* const* y_rows) {
+    for (int64_t o0 = lo; o0 < hi; o0 += 64) {
+        __mmask16 masks[4];
+        for (int c = 0; c < 4; ++c) masks[c] = lanes_below(std::max<int64_t>(hi - o0 - 16 * c, 0));
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = j_lo; j < j_hi; ++j) {
+            __m512 w[4];
+            for (int c = 0; c < 4; ++c) w[c] = load16(b + j * out + o0 + 16 * c, masks[c]);
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m512 coef = _mm512_set1_ps(s[r * rank + j]);
+                for (int c = 0; c < 4; ++c) acc[r * 4 + c] = _mm512_fmadd_ps(coef, w[c], acc[r * 4 + c]);
+            }
+        }
+        const __m512 scale = _mm512_set1_ps(scaling);
+        for (int r = 0; r < 4; ++r) {
+            if (r >= rows) break;
+            for (int c = 0; c < 4; ++c) {
+                Y* dst = y_rows[r] + o0 + 16 * c;
+                store16(dst, _mm512_fmadd_ps(scale, acc[r * 4 + c], load16(dst, masks[c])), masks[c]);
+            }
+        }
+    }
+}
+#endif
+
 constexpr int64_t LORA_TILE = 32;  // output columns whose sums a block keeps in registers across the rank rows
 
 // d[r * out + o] = sum over the part's rank rows j of s[r * rank + j] * b[j * out + o], for o in [lo, hi): a tile
 // of columns at a time, its sums for the block's rows held across the rank rows (each weight element loaded
-// once per block).
-PAGEWISE_CLONES
-void lora_expand(const float* s, int64_t rows, int64_t rank, const float* b, int64_t out, int64_t j_lo, int64_t j_hi,
-                 int64_t lo, int64_t hi, float* d) {
+// once per block, widened to float32 if it is bf16).
+template <typename W>
+inline __attribute__((always_inline)) void lora_expand_body(const float* s, int64_t rows, int64_t rank, const W* b,
+                                                            int64_t out, int64_t j_lo, int64_t j_hi, int64_t lo,
+                                                            int64_t hi, float* d) {
     for (int64_t o0 = lo; o0 < hi; o0 += LORA_TILE) {
         const int64_t width = std::min(LORA_TILE, hi - o0);
         float acc[LORA_ROWS][LORA_TILE] = {};
         if (rows == LORA_ROWS && width == LORA_TILE) {
             for (int64_t j = j_lo; j < j_hi; ++j) {
-                const float* bj = b + j * out + o0;
+                const W* bj = b + j * out + o0;
                 const float c0 = s[j], c1 = s[rank + j], c2 = s[2 * rank + j], c3 = s[3 * rank + j];
 #pragma omp simd
                 for (int64_t o = 0; o < LORA_TILE; ++o) {
-                    const float w = bj[o];
+                    const float w = widen(bj[o]);
                     acc[0][o] += c0 * w, acc[1][o] += c1 * w, acc[2][o] += c2 * w, acc[3][o] += c3 * w;
                 }
             }
         } else {
             for (int64_t j = j_lo; j < j_hi; ++j) {
-                const float* bj = b + j * out + o0;
+                const W* bj = b + j * out + o0;
                 for (int64_t r = 0; r < rows; ++r) {
                     const float coef = s[r * rank + j];
 #pragma omp simd
-                    for (int64_t o = 0; o < width; ++o) acc[r][o] += coef * bj[o];
+                    for (int64_t o = 0; o < width; ++o) acc[r][o] += coef * widen(bj[o]);
                 }
             }
         }
         for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * out + o0, acc[r], width * sizeof(float));
     }
+}
+
+PAGEWISE_CLONES
+void lora_expand(const float* s, int64_t rows, int64_t rank, const float* b, int64_t out, int64_t j_lo, int64_t j_hi,
+                 int64_t lo, int64_t hi, float* d) {
+    lora_expand_body(s, rows, rank, b, out, j_lo, j_hi, lo, hi, d);
+}
+
+PAGEWISE_CLONES
+void lora_expand(const float* s, int64_t rows, int64_t rank, const uint16_t* b, int64_t out, int64_t j_lo,
+                 int64_t j_hi, int64_t lo, int64_t hi, float* d) {
+    lora_expand_body(s, rows, rank, b, out, j_lo, j_hi, lo, hi, d);
 }
 
 template <typename T>
@@ -764,6 +906,26 @@ void widen_row(const float* src, int64_t n, float* dst) { widen_row_body(src, n,
 
 PAGEWISE_CLONES
 void widen_row(const uint16_t* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
+
+// Each element of a float32 row rounded to the nearest bf16 (kept as float32).
+PAGEWISE_CLONES
+void round_to_bf16(float* row, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        uint16_t rounded;
+        narrow(row[i], &rounded);
+        row[i] = widen(rounded);
+    }
+}
+
+// A row as bf16: copied, or rounded to nearest even.
+void bf16_row(const uint16_t* src, int64_t n, uint16_t* dst) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
+
+PAGEWISE_CLONES
+void bf16_row(const float* src, int64_t n, uint16_t* dst) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) narrow(src[i], dst + i);
+}
 
 template <typename T>
 inline __attribute__((always_inline)) void add_scaled_body(T* y, const float* d, float scaling, int64_t lo, int64_t hi) {
@@ -787,11 +949,12 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
     TORCH_CHECK(x_ok && y_ok && x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0),
                 "lora_add takes float32 or bfloat16 [rows, in] x and [rows, out] y");
     TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "lora_add: rows of x and y must be contiguous");
-    TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat && lora_a.is_contiguous() &&
-                    lora_b.is_contiguous() && lora_a.dim() == 3 && lora_b.dim() == 3 &&
+    const bool stacks_bf16 = lora_a.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((lora_a.scalar_type() == at::kFloat || stacks_bf16) && lora_b.scalar_type() == lora_a.scalar_type() &&
+                    lora_a.is_contiguous() && lora_b.is_contiguous() && lora_a.dim() == 3 && lora_b.dim() == 3 &&
                     lora_a.size(2) == x.size(1) && lora_b.size(2) == y.size(1) && lora_a.size(1) == lora_b.size(1) &&
                     lora_a.size(0) == lora_b.size(0),
-                "lora_add takes contiguous float32 [slots, R, in] and [slots, R, out] stacks");
+                "lora_add takes contiguous [slots, R, in] and [slots, R, out] stacks, both float32 or both bfloat16");
     const auto ord = order.to(at::kLong).contiguous();
     const auto starts = segment_starts.to(at::kLong).contiguous();
     const auto slots = segment_slots.to(at::kLong).contiguous();
@@ -813,37 +976,79 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
     std::vector<std::pair<int64_t, int64_t>> blocks;  // (segment, first position) of each block of rows
     for (int64_t g = 0; g < num_segments; ++g)
         for (int64_t p = start_ptr[g]; p < start_ptr[g + 1]; p += LORA_ROWS) blocks.emplace_back(g, p);
-    const float *a_ptr = lora_a.data_ptr<float>(), *b_ptr = lora_b.data_ptr<float>();
     const float* scale_ptr = scalings.data_ptr<float>();
     const int64_t part_rank = rank / num_parts;
-    auto run_all = [&](const auto* x_ptr, auto* y_ptr) {
+#if defined(__x86_64__)
+    const bool avx512 = cpu_has_avx512(), bf16_dot = stacks_bf16 && cpu_has_bf16_dot();
+#else
+    const bool avx512 = false, bf16_dot = false;
+#endif
+    auto run_all = [&](const auto* x_ptr, auto* y_ptr, const auto* a_ptr, const auto* b_ptr) {
+        using W = std::decay_t<decltype(*a_ptr)>;
+        using Y = std::decay_t<decltype(*y_ptr)>;
         const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
         at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
             std::vector<float> xs(LORA_ROWS * in), s(LORA_ROWS * rank), d(LORA_ROWS * out);
+            std::vector<uint16_t> xh(bf16_dot ? LORA_ROWS * in : 0);
             for (int64_t i = begin; i < end; ++i) {
                 const auto [g, first] = blocks[i];
                 const int64_t rows = std::min(LORA_ROWS, start_ptr[g + 1] - first);
-                for (int64_t r = 0; r < rows; ++r) widen_row(x_ptr + ord_ptr[first + r] * x_stride, in, xs.data() + r * in);
-                const float* a = a_ptr + slot_ptr[g] * rank * in;
-                const float* b = b_ptr + slot_ptr[g] * rank * out;
-                lora_shrink(xs.data(), rows, a, rank, in, s.data());
+                const W* a = a_ptr + slot_ptr[g] * rank * in;
+                const W* b = b_ptr + slot_ptr[g] * rank * out;
+                Y* y_rows[LORA_ROWS];
+                for (int64_t r = 0; r < rows; ++r) y_rows[r] = y_ptr + ord_ptr[first + r] * y_stride;
+                bool shrunk = false;
+                if constexpr (std::is_same_v<W, uint16_t>) {
+#if defined(__x86_64__)
+                    if (bf16_dot) {
+                        for (int64_t r = 0; r < rows; ++r)
+                            bf16_row(x_ptr + ord_ptr[first + r] * x_stride, in, xh.data() + r * in);
+                        lora_shrink_bf16_dot(xh.data(), rows, a, rank, in, s.data());
+                        shrunk = true;
+                    }
+#endif
+                }
+                if (!shrunk) {
+                    for (int64_t r = 0; r < rows; ++r) {
+                        widen_row(x_ptr + ord_ptr[first + r] * x_stride, in, xs.data() + r * in);
+                        if constexpr (std::is_same_v<W, uint16_t>) round_to_bf16(xs.data() + r * in, in);
+                    }
+#if defined(__x86_64__)
+                    if (avx512) lora_shrink_avx512(xs.data(), rows, a, rank, in, s.data());
+                    else
+#endif
+                        lora_shrink(xs.data(), rows, a, rank, in, s.data());
+                }
+#if defined(__x86_64__)
+                if (avx512) {
+                    for (int64_t p = 0; p < num_parts; ++p)
+                        lora_expand_add_avx512(s.data(), rows, rank, b, out, p * part_rank, (p + 1) * part_rank,
+                                               bound_ptr[p], bound_ptr[p + 1], scale_ptr[g], y_rows);
+                    continue;
+                }
+#endif
                 for (int64_t p = 0; p < num_parts; ++p)
                     lora_expand(s.data(), rows, rank, b, out, p * part_rank, (p + 1) * part_rank, bound_ptr[p],
                                 bound_ptr[p + 1], d.data());
-                for (int64_t r = 0; r < rows; ++r)
-                    add_scaled(y_ptr + ord_ptr[first + r] * y_stride, d.data() + r * out, scale_ptr[g], 0, out);
+                for (int64_t r = 0; r < rows; ++r) add_scaled(y_rows[r], d.data() + r * out, scale_ptr[g], 0, out);
             }
         });
     };
+    auto with_stacks = [&](const auto* x_ptr, auto* y_ptr) {
+        if (stacks_bf16)
+            run_all(x_ptr, y_ptr, elements<const uint16_t>(lora_a), elements<const uint16_t>(lora_b));
+        else
+            run_all(x_ptr, y_ptr, lora_a.data_ptr<float>(), lora_b.data_ptr<float>());
+    };
     const bool x_bf16 = x.scalar_type() == at::kBFloat16, y_bf16 = y.scalar_type() == at::kBFloat16;
     const auto* xf = x_bf16 ? nullptr : x.data_ptr<float>();
-    const auto* xb = x_bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+    const auto* xb = x_bf16 ? elements<const uint16_t>(x) : nullptr;
     auto* yf = y_bf16 ? nullptr : y.data_ptr<float>();
     auto* yb = y_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
-    if (x_bf16 && y_bf16) run_all(xb, yb);
-    else if (x_bf16) run_all(xb, yf);
-    else if (y_bf16) run_all(xf, yb);
-    else run_all(xf, yf);
+    if (x_bf16 && y_bf16) with_stacks(xb, yb);
+    else if (x_bf16) with_stacks(xb, yf);
+    else if (y_bf16) with_stacks(xf, yb);
+    else with_stacks(xf, yf);
 }
 
 }  // namespace

@@ -107,3 +107,29 @@ def test_lora_add_equals_row_by_row(row_slots, x_dtype, y_dtype, backend, monkey
     assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
     base_rows = [r for r, s in enumerate(row_slots) if s < 0]
     assert torch.equal(y[base_rows], original[base_rows])
+
+
+@pytest.mark.parametrize("row_slots", [[0, 1, 2, 3, 0, 1, 2, 3], [-1, 3, 3, 3, 3, -1, 1, 1, 0, -1, 2]])
+@pytest.mark.parametrize("d_in", [40, 64])  # 32 inputs a step: one masked tail, none
+@pytest.mark.parametrize(("x_dtype", "y_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_lora_add_with_bf16_stacks(row_slots, d_in, x_dtype, y_dtype, backend, monkeypatch) -> None:
+    """bf16 stacks (a bf16 projection's): the delta of the bf16-rounded inputs, summed in float32 by the compiled
+    op; the torch form rounds its products to bf16 too."""
+    if backend == "cpu" and not cpu_ops.available():
+        pytest.skip("the compiled CPU kernels are not built")
+    monkeypatch.setenv("PAGEWISE_KERNEL_BACKEND", backend)
+    lora_a, lora_b, bounds = block_diagonal_stacks(4, d_in, seed=d_in)
+    lora_a, lora_b = lora_a.to(torch.bfloat16), lora_b.to(torch.bfloat16)
+    scalings = [0.5, 2.0, 1.0, 0.25]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(len(row_slots), d_in, generator=gen).to(x_dtype)
+    y = torch.randn(len(row_slots), sum(PARTS), generator=gen).to(y_dtype)
+    original = y.clone()
+    expected = row_by_row(y, x.to(torch.bfloat16), lora_a, lora_b, row_slots, scalings)
+    kernels.lora_add(y, x, lora_a, lora_b, LoraBatch.build(row_slots, scalings, torch.device("cpu")), bounds)
+    exact_sums = backend == "cpu" and y_dtype is torch.float32
+    tolerance = 1e-5 if exact_sums else 2e-2
+    assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
+    base_rows = [r for r, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(y[base_rows], original[base_rows])
