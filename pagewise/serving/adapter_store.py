@@ -9,11 +9,14 @@ changed or damaged in the store is refused, never served.
 Invariants: a directory appears whole or not at all (written under a temporary name beside it, then renamed);
 one digest's directory always holds the same bytes, so tenants who upload identical files share it on disk
 (never in the engine: slots and host copies are per tenant, `AdapterSlots.register`); the names in it are
-digests the platform computed, never a client's filename.
+digests the platform computed, never a client's filename. Whoever stores a digest's files and records a user
+of them, or counts a digest's users and removes its files, holds that digest's lock (`lock`) throughout, so a
+deletion never removes files an upload of identical bytes has just recorded.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -33,6 +36,20 @@ class AdapterStore:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"not an adapter digest: {digest!r}")
         return self.root / digest
+
+    def lock(self, digest: str) -> int:
+        """Block until the caller holds `digest`'s lock: an exclusive `flock` on `<root>/.locks/<digest>`, so API
+        replicas sharing the store and requests of one process alike take turns. Returns the open descriptor;
+        closing it releases the lock. (Lock files stay: one empty file per digest ever stored.)"""
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(locks / self.directory(digest).name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def write(self, digest: str, config: bytes, weights: bytes) -> None:
         """Store an adapter's files under `digest` (already computed from them); a no-op when they are there."""

@@ -6,12 +6,18 @@ Invariants:
 - An upload is checked whole before anything is stored — its name, its size, and its files against the base
   model as the engines published it (`EngineInfo.adapters`: the architecture and the largest rank), with the very
   function a worker loads it with (`adapter_files.parse_adapter`) — so a refused upload leaves no row and no file.
-- Files are written (content-addressed, `serving/adapter_store.py`) before the row; the row is the adapter.
+- Files are written (content-addressed, `serving/adapter_store.py`) before the row; the row is the adapter. A
+  digest's files are written and a row using them committed, or its users counted and its files removed, under
+  the digest's store lock: deleting one tenant's adapter never removes the files another tenant's upload of the
+  same bytes has just recorded.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -97,30 +103,31 @@ async def register_adapter(
     if await session.scalar(tenant_adapters(tenant_id).where(Adapter.name == name)) is not None:
         raise _name_taken(name)
     store = adapter_store(services)
-    await anyio.to_thread.run_sync(store.write, checked.digest, config, weights)
-    row = Adapter(
-        id=new_id("adapter", separator="-"),
-        tenant_id=tenant_id,
-        name=name,
-        base_model=engine.model_name,
-        digest=checked.digest,
-        rank=checked.rank,
-        target_modules=list(checked.targets),
-        bytes=len(config) + len(weights),
-        status="active",
-        created_at=utcnow(),
-    )
-    session.add(row)
-    try:
-        await session.commit()
-    except IntegrityError:
-        await session.rollback()
-        await _drop_unused_files(session, store, checked.digest)
-        raise _name_taken(name) from None
-    except BaseException:
-        await session.rollback()
-        await _drop_unused_files(session, store, checked.digest)
-        raise
+    async with _digest_locked(store, checked.digest):
+        await anyio.to_thread.run_sync(store.write, checked.digest, config, weights)
+        row = Adapter(
+            id=new_id("adapter", separator="-"),
+            tenant_id=tenant_id,
+            name=name,
+            base_model=engine.model_name,
+            digest=checked.digest,
+            rank=checked.rank,
+            target_modules=list(checked.targets),
+            bytes=len(config) + len(weights),
+            status="active",
+            created_at=utcnow(),
+        )
+        session.add(row)
+        try:
+            await session.commit()
+        except IntegrityError:
+            await session.rollback()
+            await _drop_unused_files(session, store, checked.digest)
+            raise _name_taken(name) from None
+        except BaseException:
+            await session.rollback()
+            await _drop_unused_files(session, store, checked.digest)
+            raise
     return row
 
 
@@ -132,10 +139,24 @@ async def delete_adapter(session: AsyncSession, services: PlatformServices, row:
     """Delete `row`: gone from listings and lookups now; its files once no adapter uses their digest."""
     row.deleted_at = utcnow()
     await session.commit()
-    await _drop_unused_files(session, adapter_store(services), row.digest)
+    store = adapter_store(services)
+    async with _digest_locked(store, row.digest):
+        await _drop_unused_files(session, store, row.digest)
+
+
+@asynccontextmanager
+async def _digest_locked(store: AdapterStore, digest: str) -> AsyncIterator[None]:
+    """Hold `digest`'s store lock (`AdapterStore.lock`) for the block: writing its files and committing a row that
+    uses them, or counting its users and removing them, happen one at a time across requests and replicas."""
+    fd = await anyio.to_thread.run_sync(store.lock, digest)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 async def _drop_unused_files(session: AsyncSession, store: AdapterStore, digest: str) -> None:
+    """Remove `digest`'s files if no live adapter uses them (the caller holds the digest's lock)."""
     users = select(func.count()).select_from(Adapter).where(Adapter.digest == digest, Adapter.deleted_at.is_(None))
     if not await session.scalar(users):
         await anyio.to_thread.run_sync(store.delete, digest)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -297,6 +298,36 @@ async def test_disable_enable_delete_and_a_name_taken_twice(platform: Platform, 
     assert not (store_root(platform) / adapter["digest"]).exists()
     again = await uploaded(platform, key, "support-bot", adapters)  # the name is free again
     assert again["id"] != adapter["id"]
+
+
+async def test_deleting_the_last_user_of_files_waits_for_their_lock_and_an_identical_upload_keeps_them(
+    platform: Platform, adapters
+) -> None:
+    """Deleting an adapter removes its files only under their digest's store lock, so a deletion racing another
+    tenant's upload of the same bytes either finishes first (the upload writes them again) or finds the new user:
+    the uploaded adapter always has its files."""
+    config, weights, _ = adapters["legal"]
+    config += b"\n\n"  # bytes no other test's tenant holds
+    _, key_a = await platform.tenant_with_key()
+    _, key_b = await platform.tenant_with_key()
+    first = (await upload(platform, key_a, "legal", config, weights)).json()
+    store = AdapterStore(store_root(platform))
+    directory = store.directory(first["digest"])
+    held = await asyncio.to_thread(store.lock, first["digest"])
+    try:
+        deleting = asyncio.create_task(platform.http.delete(f"/v1/adapters/{first['id']}", headers=bearer(key_a)))
+        uploading = asyncio.create_task(upload(platform, key_b, "legal", config, weights))
+        await asyncio.sleep(1.0)
+        assert not deleting.done() and not uploading.done()  # both wait for the lock the test holds
+        assert directory.is_dir()
+    finally:
+        os.close(held)
+    assert (await asyncio.wait_for(deleting, 30)).status_code == 200
+    second = await asyncio.wait_for(uploading, 30)
+    assert second.status_code == 200, second.text
+    assert (directory / CONFIG_FILE).read_bytes() == config and (directory / WEIGHTS_FILE).read_bytes() == weights
+    served = await complete(platform, key_b, second.json()["model"], PROMPTS[0])
+    assert served.status_code == 200, served.text
 
 
 async def test_an_admin_registers_for_a_tenant_and_prices_an_adapter(platform: Platform, adapters) -> None:
