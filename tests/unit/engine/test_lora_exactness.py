@@ -1,7 +1,8 @@
 """Adapters: greedy outputs under a LoRA adapter equal HF transformers + PEFT (the same adapter applied with
 ``peft``, unmerged) token for token, on a tiny random model with random rank-8 and rank-16 adapters made here —
 alone, and many adapters and the base model batched together, with fewer slots than adapters (eviction), under
-preemption (recompute and swap) and chunked prefill; the prefix cache never shares KV across adapters."""
+preemption (recompute and swap) and chunked prefill; the prefix cache never shares KV across adapters. The real
+default model (SmolLM2-135M) too, under random rank-8 and rank-16 adapters batched with the base model."""
 
 from __future__ import annotations
 
@@ -246,3 +247,33 @@ def test_generate_command_runs_prompts_under_an_adapter(setup, capsys) -> None:
     assert status == 0
     assert f"### Hello\n{want[0].outputs[0].text}\n[4 tokens" in capsys.readouterr().out
     assert main(["generate", "--model", str(path), "--lora", "/nonexistent", "Hello"]) == 2
+
+
+def test_smollm2_under_random_rank_8_and_16_adapters_matches_peft(hf_smollm2, tmp_path) -> None:
+    """The real default model (SmolLM2-135M from its GGUF) with two random adapters made here (rank 8 on every
+    projection, rank 16 on attention and MLP parts): one batch mixing the base model and both adapters gives
+    every request exactly HF transformers + PEFT's greedy tokens."""
+    shapes = {"r8": (8, 16, ALL), "r16": (16, 32, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])}
+    llm = LLM(progress=False, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=2)
+    tok = llm.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+             for q in ("What is the capital of France?", "Write a haiku about the sea.")]  # fmt: skip
+    references, adapters = {None: [hf_greedy(hf_smollm2, p) for p in chats]}, {}
+    for index, (name, (rank, alpha, targets)) in enumerate(shapes.items(), start=1):
+        torch.manual_seed(index)
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+        model = peft.get_peft_model(copy.deepcopy(hf_smollm2), config)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, peft.tuners.lora.LoraLayer):
+                    module.lora_B["default"].weight.normal_(0, 0.15)
+        model.save_pretrained(tmp_path / name)
+        adapters[name] = LoRARequest(name, index, str(tmp_path / name))
+        references[name] = [hf_greedy(model.eval(), p) for p in chats]
+        assert references[name] != references[None], f"adapter {name} does not change the output"
+        del model
+    names = [None, "r8", "r16"]
+    batch = [p for p in chats for _ in names]
+    got = greedy(llm, batch, [adapters.get(n) for _ in chats for n in names])
+    want = [references[n][i] for i in range(len(chats)) for n in names]
+    assert got == want
