@@ -8,7 +8,12 @@ The paths compute the same product; they differ in the library and in the weight
 - ``onednn-packed``: oneDNN's inner product with the weight reordered once into oneDNN's blocked layout (the
   path vLLM's CPU build takes). On AMD EPYC this is several times faster than MKL for a handful of rows.
 
-Both accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
+A bf16 product of at most ``cpu_ops.FEW_ROWS`` rows on the ``onednn-packed`` path (a decode step at low load) goes
+instead to the compiled ``linear_few_rows`` where the CPU has AVX512-BF16: at a handful of rows the product is
+the time to stream the weights, and oneDNN's kernels, blocked for many rows, stream them at about two thirds of
+its rate (docs/benchmarks.md). It reads the dense bf16 copy the path keeps anyway.
+
+All accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
 inputs). Either can run an fp32 model's projections in bf16 (``PackedWeight``'s ``compute_dtype``): the
 engine's ``dtype=auto`` does so where the CPU multiplies bf16 natively (``cpu_has_native_bf16``). MKL's packed
 sgemm is not offered: torch packs it for one row count and falls back to the plain call for any other, and a
@@ -29,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagewise.kernels import cpu_ops
+
 NOISE = 0.03
 
 
@@ -46,7 +53,7 @@ class PackedWeight:
     stream, which saves a conversion pass each way. The dense ``weight`` stays the module's parameter (what the
     model's state and shapes are read from), so a packed or converted path holds the projection weights twice."""
 
-    __slots__ = ("path", "weight", "bias", "compute_dtype", "_packed")
+    __slots__ = ("path", "weight", "bias", "compute_dtype", "_packed", "_few_rows")
 
     def __init__(
         self, path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None
@@ -56,9 +63,17 @@ class PackedWeight:
         self.weight = weight.to(self.compute_dtype)
         packed = path is GemmPath.ONEDNN_PACKED
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight) if packed else None
+        self._few_rows = (
+            packed
+            and self.compute_dtype == torch.bfloat16
+            and self.weight.is_cpu
+            and cpu_ops.few_rows_available()
+        )
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
+        if self._few_rows and x.shape[0] <= cpu_ops.FEW_ROWS and out_dtype in (torch.float32, torch.bfloat16):
+            return cpu_ops.linear_few_rows(x, self.weight, self.bias, out_dtype)
         if x.dtype == self.compute_dtype == out_dtype and (self.bias is None or self.bias.dtype == out_dtype):
             return self._product(x, self.bias)
         y = self._product(x.to(self.compute_dtype), None).to(out_dtype)

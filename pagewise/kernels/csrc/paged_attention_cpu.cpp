@@ -1,6 +1,6 @@
 // Compiled CPU ops: decode attention that reads K/V blocks in place, the cache write, the fused per-token ops of a
-// decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its rows, and
-// the batched LoRA delta of a projection (rows grouped by adapter slot).
+// decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its rows,
+// the batched LoRA delta of a projection (rows grouped by adapter slot), and a bf16 projection of a few rows.
 //
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
@@ -260,6 +260,55 @@ PAGEWISE_AVX512 inline __m512 sum_lanes_of_16(const __m512* v) {
     const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+// s[r * s_stride + j] = x_r . w_j for r < rows (at most 4) and j < n, with bf16 input rows (x, `in` apart) and
+// weight rows (w, `in` apart): each sum is of exact products of two bf16 values, accumulated in float32 (`vdpbf16ps`)
+// 32 elements a step (the last step masked). Four weight rows at a time against all the input rows: up to sixteen
+// accumulators, with fixed trip counts so they stay in registers, reduced together by `sum_lanes_of_16`.
+PAGEWISE_BF16_DOT
+void bf16_dot_rows(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t n, int64_t in, float* s,
+                   int64_t s_stride, const uint16_t* prefetch_end) {
+    const int64_t full = in / 32 * 32;
+    const __mmask32 tail = (__mmask32(1) << (in - full)) - 1;
+    for (int64_t j = 0; j < n; j += 4) {
+        const uint16_t* wr[4];
+        for (int q = 0; q < 4; ++q) wr[q] = w + std::min(j + q, n - 1) * in;  // past n: a real row, its sums unused
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        // The four rows a group reads are 4 * in contiguous elements, read as four short streams the hardware
+        // prefetcher barely learns: ask for the group four ahead (up to `prefetch_end`, which may lie past the
+        // n rows: the caller's next rows), a quarter of it per step, ourselves.
+        const char* ahead = reinterpret_cast<const char*>(w + (j + 16) * in);
+        const char* ahead_end = std::min(reinterpret_cast<const char*>(w + (j + 20) * in),
+                                         reinterpret_cast<const char*>(prefetch_end));
+        for (int64_t k = 0; k < full; k += 32) {
+            for (int q = 0; q < 4; ++q) {
+                const char* line = ahead + (k / 32 * 4 + q) * 64;
+                if (line < ahead_end) _mm_prefetch(line, _MM_HINT_T0);
+            }
+            __m512bh wq[4];
+            for (int q = 0; q < 4; ++q) wq[q] = (__m512bh)_mm512_loadu_si512(wr[q] + k);
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m512bh xr = (__m512bh)_mm512_loadu_si512(x + r * in + k);
+                for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_dpbf16_ps(acc[r * 4 + q], xr, wq[q]);
+            }
+        }
+        if (full < in) {
+            __m512bh wq[4];
+            for (int q = 0; q < 4; ++q) wq[q] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr[q] + full);
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m512bh xr = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + r * in + full);
+                for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_dpbf16_ps(acc[r * 4 + q], xr, wq[q]);
+            }
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, sum_lanes_of_16(acc));
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t q = 0; q < 4 && j + q < n; ++q) s[r * s_stride + j + q] = sums[r * 4 + q];
+    }
 }
 
 // Sixteen float32 partial sums of a key row (`pairs` * 32 bf16) times a query row (as many bf16 pairs).
@@ -682,7 +731,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // segment: a block's inputs are packed once, each weight row is loaded once for all its rows, the shrink's result
 // and the delta stay float32, and the delta is added to y (widened and rounded back for a bf16 y) row by row.
 // Float32 stacks: float32 products. bf16 stacks: the inputs are rounded to bf16 as the bf16 projection itself
-// rounds them; on a CPU with AVX512-BF16 the shrink sums exact bf16 products in float32 (`vdpbf16ps`), elsewhere
+// rounds them; on a CPU with AVX512-BF16 the shrink is `bf16_dot_rows`, elsewhere
 // the weights are widened as they are loaded; the expand widens its bf16 weights and multiplies in float32.
 
 constexpr int64_t LORA_ROWS = 4;
@@ -779,32 +828,6 @@ PAGEWISE_AVX512 void lora_shrink_avx512(const float* x, int64_t rows, const W* a
                 if (r >= rows) break;
                 const __m512 xr = _mm512_maskz_loadu_ps(mask, x + r * in + k);
                 for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_fmadd_ps(xr, w[q], acc[r * 4 + q]);
-            }
-        }
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, sum_lanes_of_16(acc));
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t q = 0; q < 4 && j + q < rank; ++q) s[r * rank + j + q] = sums[r * 4 + q];
-    }
-}
-
-// `lora_shrink` for bf16 input rows and weights with AVX512-BF16: each sum is of exact products of two bf16
-// values, accumulated in float32 32 elements a step (the last step masked).
-PAGEWISE_BF16_DOT
-void lora_shrink_bf16_dot(const uint16_t* x, int64_t rows, const uint16_t* a, int64_t rank, int64_t in, float* s) {
-    for (int64_t j = 0; j < rank; j += 4) {
-        __m512 acc[16];
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < in; k += 32) {
-            const __mmask32 mask = in - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
-            __m512bh w[4];
-            for (int q = 0; q < 4; ++q)
-                w[q] = (__m512bh)(j + q < rank ? _mm512_maskz_loadu_epi16(mask, a + (j + q) * in + k)
-                                               : _mm512_setzero_si512());
-            for (int r = 0; r < 4; ++r) {
-                if (r >= rows) break;
-                const __m512bh xr = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in + k);
-                for (int q = 0; q < 4; ++q) acc[r * 4 + q] = _mm512_dpbf16_ps(acc[r * 4 + q], xr, w[q]);
             }
         }
         alignas(64) float sums[16];
@@ -1003,7 +1026,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
                     if (bf16_dot) {
                         for (int64_t r = 0; r < rows; ++r)
                             bf16_row(x_ptr + ord_ptr[first + r] * x_stride, in, xh.data() + r * in);
-                        lora_shrink_bf16_dot(xh.data(), rows, a, rank, in, s.data());
+                        bf16_dot_rows(xh.data(), rows, a, rank, in, s.data(), rank, a + rank * in);
                         shrunk = true;
                     }
 #endif
@@ -1051,6 +1074,57 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
     else with_stacks(xf, yf);
 }
 
+// ---- bf16 projections of a few rows (a decode step at low load): y = x W^T + b, W [out, in] bf16 as it lies (the
+// dense copy a packed matmul path keeps beside its blocked one). A step of a handful of rows does little arithmetic
+// per weight, so its time is the time to stream the weights; this reads each block of 64 weight rows once for all
+// the input rows (`bf16_dot_rows`, four input rows at a time, the block held in cache between them), the inputs
+// rounded to bf16 once. Sums in float32; the bias (float32) added to them, then the result stored in `out_dtype`
+// (a bf16 result rounded once, to nearest even).
+constexpr int64_t FEW_ROWS_BLOCK = 64;
+
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype) {
+#if defined(__x86_64__)
+    TORCH_CHECK(cpu_has_bf16_dot(), "linear_few_rows needs a CPU with AVX512-BF16");
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+                "linear_few_rows takes a contiguous bf16 [out, in] weight");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) &&
+                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "linear_few_rows takes a float32 or bf16 [rows, in] input");
+    TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "linear_few_rows gives float32 or bf16");
+    TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "linear_few_rows: bias is [out]");
+    const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+    const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+    at::Tensor y = at::empty({rows, out}, x.options().dtype(out_dtype));
+    const uint16_t* xp = elements<const uint16_t>(xb);
+    const uint16_t* wp = elements<const uint16_t>(weight);
+    const float* bp = b ? b->data_ptr<float>() : nullptr;
+    const int64_t blocks = (out + FEW_ROWS_BLOCK - 1) / FEW_ROWS_BLOCK;
+    auto run = [&](auto* yp) {
+        at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+            alignas(64) float sums[4 * FEW_ROWS_BLOCK];
+            for (int64_t block = begin; block < end; ++block) {
+                const int64_t j0 = block * FEW_ROWS_BLOCK, n = std::min(FEW_ROWS_BLOCK, out - j0);
+                for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                    const int64_t m = std::min<int64_t>(4, rows - r0);
+                    bf16_dot_rows(xp + r0 * in, m, wp + j0 * in, n, in, sums, FEW_ROWS_BLOCK,
+                                  wp + std::min(end * FEW_ROWS_BLOCK, out) * in);
+                    for (int64_t r = 0; r < m; ++r)
+                        for (int64_t j = 0; j < n; ++j)
+                            narrow(sums[r * FEW_ROWS_BLOCK + j] + (bp ? bp[j0 + j] : 0.f), yp + (r0 + r) * out + j0 + j);
+                }
+            }
+        });
+    };
+    if (out_dtype == at::kBFloat16) run(reinterpret_cast<uint16_t*>(y.data_ptr()));
+    else run(y.data_ptr<float>());
+    return y;
+#else
+    TORCH_CHECK(false, "linear_few_rows needs an x86-64 CPU with AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagewise_cpu, m) {
@@ -1064,6 +1138,7 @@ TORCH_LIBRARY(pagewise_cpu, m) {
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
     m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor order, Tensor segment_starts, "
           "Tensor segment_slots, Tensor segment_scalings, Tensor column_bounds) -> ()");
+    m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
@@ -1074,4 +1149,5 @@ TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("lora_add", &lora_add);
+    m.impl("linear_few_rows", &linear_few_rows);
 }

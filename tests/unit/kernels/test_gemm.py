@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagewise.kernels import cpu_ops
 from pagewise.kernels.gemm import GemmPath, GemmTiming, PackedWeight, WeightShape, supported_paths, time_paths
 
 CPU_PATHS = supported_paths(torch.device("cpu"), torch.float32)
@@ -86,3 +87,38 @@ def test_time_paths_reports_every_path_and_row_count() -> None:
     # the second shape runs on at most 4 rows
     assert result.flops == {1: 2 * (64 * 32 * 2 + 32 * 64), 8: 2 * (8 * 64 * 32 * 2 + 4 * 32 * 64)}
     assert result.fastest() in CPU_PATHS and result.gflops(GemmPath.TORCH) > 0
+
+
+needs_few_rows = pytest.mark.skipif(
+    not cpu_ops.few_rows_available(), reason="needs the compiled kernels and an AVX512-BF16 CPU"
+)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize(("d_in", "d_out"), [(576, 960), (40, 70)])  # (40, 70): a masked step, a partial block
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_few_rows_product_sums_exact_bf16_products_in_fp32(rows, d_in, d_out, out_dtype, with_bias) -> None:
+    generator = torch.Generator().manual_seed(rows * d_in)
+    weight = torch.randn(d_out, d_in, generator=generator).bfloat16()
+    x = torch.randn(rows, d_in, generator=generator)  # rounded to bf16 by the op
+    bias = torch.randn(d_out, generator=generator) if with_bias else None
+    got = cpu_ops.linear_few_rows(x, weight, bias, out_dtype)
+    expected = F.linear(x.bfloat16().double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == out_dtype and got.shape == (rows, d_out)
+    scale = expected.abs().max().item()
+    tolerance = 1e-6 * scale if out_dtype is torch.float32 else 2**-8 * scale  # fp32 sums; one bf16 rounding
+    assert (got.double() - expected).abs().max().item() <= tolerance
+
+
+@needs_few_rows
+def test_a_bf16_packed_weight_takes_the_few_rows_product_up_to_its_row_limit() -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(130, 96, generator=generator), torch.randn(130, generator=generator)
+    packed = PackedWeight(GemmPath.ONEDNN_PACKED, weight, bias, torch.bfloat16)
+    for rows in (1, cpu_ops.FEW_ROWS, cpu_ops.FEW_ROWS + 1):
+        x = torch.randn(rows, 96, generator=generator)
+        few = cpu_ops.linear_few_rows(x, packed.weight, bias, torch.float32)
+        assert torch.equal(packed(x), few) == (rows <= cpu_ops.FEW_ROWS)
+        torch.testing.assert_close(packed(x), few, rtol=2e-2, atol=5e-2)  # oneDNN rounds its sums to bf16
