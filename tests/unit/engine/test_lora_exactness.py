@@ -40,18 +40,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return hf_greedy_n(model, prompt, MAX_TOKENS)
 
 
-def make_adapter(base: torch.nn.Module, name: str, directory: Path) -> torch.nn.Module:
-    """A random PEFT adapter saved in ``directory``; returns the PEFT model (the oracle)."""
-    rank, alpha, targets, rslora = ADAPTERS[name]
+def make_adapter(
+    base: torch.nn.Module, name: str, directory: Path, shape: tuple | None = None, b_std: float = 0.3
+) -> torch.nn.Module:
+    """A random PEFT adapter saved in ``directory`` (``shape``: rank, alpha, targets, rsLoRA; default
+    ``ADAPTERS[name]``); returns the PEFT model (the oracle). PEFT's random init of B is small next to the base
+    weights: B is drawn with standard deviation ``b_std`` instead, so the adapter changes the output."""
+    rank, alpha, targets, rslora = shape or ADAPTERS[name]
     torch.manual_seed(sum(map(ord, name)))
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
     )
     model = peft.get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():  # PEFT's random init is small next to these weights: make each adapter matter
+    with torch.no_grad():
         for module in model.modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
-                module.lora_B["default"].weight.normal_(0, 0.3)
+                module.lora_B["default"].weight.normal_(0, b_std)
     model.save_pretrained(directory)
     return model.eval()
 
@@ -253,23 +257,16 @@ def test_smollm2_under_random_rank_8_and_16_adapters_matches_peft(hf_smollm2, tm
     """The real default model (SmolLM2-135M from its GGUF) with two random adapters made here (rank 8 on every
     projection, rank 16 on attention and MLP parts): one batch mixing the base model and both adapters gives
     every request exactly HF transformers + PEFT's greedy tokens."""
-    shapes = {"r8": (8, 16, ALL), "r16": (16, 32, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])}
+    shapes = {"r8": (8, 16, ALL, False), "r16": (16, 32, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"], False)}
     llm = LLM(progress=False, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=2)
     tok = llm.tokenizer
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
              for q in ("What is the capital of France?", "Write a haiku about the sea.")]  # fmt: skip
     references, adapters = {None: [hf_greedy(hf_smollm2, p) for p in chats]}, {}
-    for index, (name, (rank, alpha, targets)) in enumerate(shapes.items(), start=1):
-        torch.manual_seed(index)
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-        model = peft.get_peft_model(copy.deepcopy(hf_smollm2), config)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, peft.tuners.lora.LoraLayer):
-                    module.lora_B["default"].weight.normal_(0, 0.15)
-        model.save_pretrained(tmp_path / name)
+    for index, (name, shape) in enumerate(shapes.items(), start=1):
+        model = make_adapter(hf_smollm2, name, tmp_path / name, shape, b_std=0.15)
         adapters[name] = LoRARequest(name, index, str(tmp_path / name))
-        references[name] = [hf_greedy(model.eval(), p) for p in chats]
+        references[name] = [hf_greedy(model, p) for p in chats]
         assert references[name] != references[None], f"adapter {name} does not change the output"
         del model
     names = [None, "r8", "r16"]
