@@ -23,6 +23,7 @@ step's row count changes every step. A path this build or this CPU cannot run fo
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import time
@@ -67,7 +68,7 @@ class PackedWeight:
             packed
             and self.compute_dtype == torch.bfloat16
             and self.weight.is_cpu
-            and cpu_ops.few_rows_available()
+            and few_rows_product_available()
         )
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -107,18 +108,31 @@ def cpu_signature() -> str:
 SUMMARY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the matmul paths' speed here
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``), empty where they cannot be read."""
+    return cpu_signature().partition(" | ")[2].split()
+
+
 def cpu_summary() -> str:
     """The CPU's model name and which of `SUMMARY_FLAGS` it has: how a benchmark names its machine."""
-    name, _, flags = cpu_signature().partition(" | ")
-    present = [flag for flag in SUMMARY_FLAGS if flag in flags.split()]
+    name = cpu_signature().partition(" | ")[0]
+    flags = cpu_flags()
+    present = [flag for flag in SUMMARY_FLAGS if flag in flags]
     return f"{name} ({', '.join(present) or 'none of ' + '/'.join(SUMMARY_FLAGS)})"
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which oneDNN uses for bf16
     products; without them a bf16 product is emulated and slower than fp32."""
-    flags = cpu_signature().partition(" | ")[2].split()
+    flags = cpu_flags()
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+@functools.cache
+def few_rows_product_available() -> bool:
+    """Whether ``cpu_ops.linear_few_rows`` runs here: the compiled kernels are loaded and the CPU has AVX512-BF16
+    (``vdpbf16ps``)."""
+    return cpu_ops.available() and "avx512_bf16" in cpu_flags()
 
 
 def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:

@@ -1011,7 +1011,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
         using Y = std::decay_t<decltype(*y_ptr)>;
         const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
         at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> xs(LORA_ROWS * in), s(LORA_ROWS * rank), d(LORA_ROWS * out);
+            std::vector<float> s(LORA_ROWS * rank), xs(bf16_dot ? 0 : LORA_ROWS * in), d(avx512 ? 0 : LORA_ROWS * out);
             std::vector<uint16_t> xh(bf16_dot ? LORA_ROWS * in : 0);
             for (int64_t i = begin; i < end; ++i) {
                 const auto [g, first] = blocks[i];

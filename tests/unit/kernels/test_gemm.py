@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from pagewise.kernels import cpu_ops
-from pagewise.kernels.gemm import GemmPath, GemmTiming, PackedWeight, WeightShape, supported_paths, time_paths
+from pagewise.kernels.gemm import (
+    GemmPath,
+    GemmTiming,
+    PackedWeight,
+    WeightShape,
+    few_rows_product_available,
+    supported_paths,
+    time_paths,
+)
 
 CPU_PATHS = supported_paths(torch.device("cpu"), torch.float32)
 
@@ -90,7 +98,7 @@ def test_time_paths_reports_every_path_and_row_count() -> None:
 
 
 needs_few_rows = pytest.mark.skipif(
-    not cpu_ops.few_rows_available(), reason="needs the compiled kernels and an AVX512-BF16 CPU"
+    not few_rows_product_available(), reason="needs the compiled kernels and an AVX512-BF16 CPU"
 )
 
 
