@@ -6,6 +6,9 @@ plus the LM head) at the row counts the engine's start-up timing uses (a few dec
 chunk). ``candidates`` is each path's GFLOP/s over all of them; ``by_rows`` splits it by row count; ``fastest``
 is the pick this run's timing makes; ``chosen`` is the engine's own (``gemm_selection``: from its per-CPU cache
 when it has timed this machine kind before, so the two can differ when paths are within noise of each other).
+Where the compiled few-rows product runs for the dtype, ``few_rows`` has its timing against the fastest path at
+1 to 16 rows (the weights streamed from memory, as in a step), the limit this run's timing gives and the
+engine's own.
 """
 
 from __future__ import annotations
@@ -23,9 +26,15 @@ _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16
 
 def run(args: argparse.Namespace) -> int:
     from pagewise.engine.config import EngineConfig
-    from pagewise.engine.gemm_selection import TIMED_ROWS, select_gemm_path, weight_shapes
+    from pagewise.engine.gemm_selection import FEW_ROWS_TIMED, TIMED_ROWS, select_gemm_path, weight_shapes
     from pagewise.engine.loader import cache_root, load_model
-    from pagewise.kernels.gemm import cpu_signature, supported_paths, time_paths
+    from pagewise.kernels.gemm import (
+        cpu_signature,
+        few_rows_product_available,
+        supported_paths,
+        time_few_rows,
+        time_paths,
+    )
 
     matmul = EngineConfig(model=args.model, dtype=args.dtype).resolve_precision().matmul
     arch = load_model(args.model, progress=False).arch
@@ -34,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = str(matmul).removeprefix("torch.")
     print(f"timing {', '.join(paths)} on {args.model}'s projections ({dtype})", flush=True)
     timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, matmul)
+    available = few_rows_product_available(matmul)
+    few = time_few_rows(timing.fastest(), weight_shapes(arch), FEW_ROWS_TIMED, matmul) if available else None
     chosen = select_gemm_path("auto", arch, device, matmul, cache_root(None))
     name, _, flags = cpu_signature().partition(" | ")
     result: dict[str, Any] = {
@@ -47,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
         "fastest": timing.fastest().value,
         "chosen": chosen.path.value,
         "chosen_source": chosen.source,
+        "few_rows": None
+        if few is None
+        else {
+            "by_rows": {str(m): {k: round(v, 2) for k, v in g.items()} for m, g in few.gflops().items()},
+            "limit_now": few.limit(),
+            "limit": chosen.few_rows,
+        },
     }
     if args.json:
         print(json.dumps(result))
@@ -57,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{m:>6} " + " ".join(f"{timing.gflops_at(p, m):>14.1f}" for p in paths))
     print(f"{'all':>6} " + " ".join(f"{timing.gflops(p):>14.1f}" for p in paths))
     print(f"fastest now: {result['fastest']}; the engine runs: {result['chosen']} ({result['chosen_source']})")
+    if few is not None:
+        print(f"few rows, weights from memory ({result['fastest']} vs the few-rows product):")
+        for m, rates in few.gflops().items():
+            print(f"{m:>6} {rates['path']:>14.1f} {rates['few-rows']:>14.1f}")
+        print(f"the few-rows product pays up to {few.limit()} rows now; the engine's limit: {chosen.few_rows}")
     return ExitStatus.OK
 
 

@@ -7,6 +7,12 @@ prefill-chunk-sized step, and takes the fastest one that is nowhere slower than 
 it — the CPU's model name and flags, torch's version, the number of threads, the dtype and the shapes — so it
 runs once per machine kind and model (about a second for SmolLM2), and a machine of another kind measures anew.
 A named path is used as given, after checking that this machine runs it.
+
+With the path chosen, ``auto`` also measures how many rows of a step the compiled few-rows product
+(``cpu_ops.linear_few_rows``) beats it for, where that product runs for the dtype (``few_rows``: 0 where it does
+not, or where it is slower even for one row): the model's weights streamed from memory as in a step
+(``time_few_rows``), at 1 to 16 rows. That limit depends on the CPU's memory system and the library's kernels as
+much as on the instructions, so it is measured, not assumed. A named path runs every product on that path.
 """
 
 from __future__ import annotations
@@ -22,11 +28,20 @@ import torch
 
 from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.model_config import ModelArchConfig
-from pagewise.kernels.gemm import GemmPath, WeightShape, cpu_signature, supported_paths, time_paths
+from pagewise.kernels.gemm import (
+    GemmPath,
+    WeightShape,
+    cpu_signature,
+    few_rows_product_available,
+    supported_paths,
+    time_few_rows,
+    time_paths,
+)
 
 AUTO = "auto"
 CHOICES = (AUTO, *(path.value for path in GemmPath))
 TIMED_ROWS = (4, 64, 512)  # tokens in a step: a few decodes, a full decode batch, a prefill chunk
+FEW_ROWS_TIMED = (1, 2, 4, 8, 16)  # the row counts the few-rows product is timed at
 LM_HEAD_ROWS = 64  # the LM head runs on one row per sequence: a 512-token prefill chunk samples a few
 
 _logger = logging.getLogger(__name__)
@@ -36,14 +51,21 @@ _logger = logging.getLogger(__name__)
 class GemmSelection:
     """The path chosen and why: ``source`` is ``forced`` (named in the config), ``measured`` (timed now),
     ``cached`` (timed earlier on this kind of machine) or ``device`` (CUDA: torch). ``gflops`` holds each
-    candidate's rate when it was timed."""
+    candidate's rate when it was timed; ``few_rows`` is the most rows of a product sent to the few-rows product
+    instead (0: none)."""
 
     path: GemmPath
     source: str
     gflops: dict[str, float]
+    few_rows: int = 0
 
     def describe(self) -> dict[str, object]:
-        return {"path": self.path.value, "source": self.source, "candidates_gflops": dict(self.gflops)}
+        return {
+            "path": self.path.value,
+            "source": self.source,
+            "candidates_gflops": dict(self.gflops),
+            "few_rows": self.few_rows,
+        }
 
 
 def weight_shapes(arch: ModelArchConfig) -> list[WeightShape]:
@@ -80,10 +102,12 @@ def select_gemm_path(
     entry = cache_root / "gemm" / f"{_cache_key(supported, shapes, dtype)}.json"
     cached = _read(entry)
     if cached is not None:
-        return GemmSelection(GemmPath(cached["chosen"]), "cached", cached["candidates_gflops"])
+        return GemmSelection(GemmPath(cached["chosen"]), "cached", cached["candidates_gflops"], cached["few_rows"])
     timing = time_paths(supported, shapes, TIMED_ROWS, dtype)
-    selection = GemmSelection(timing.fastest(), "measured", {p.value: round(timing.gflops(p), 2) for p in supported})
-    _write(entry, {"chosen": selection.path.value, "candidates_gflops": selection.gflops})
+    path = timing.fastest()
+    few_rows = time_few_rows(path, shapes, FEW_ROWS_TIMED, dtype).limit() if few_rows_product_available(dtype) else 0
+    selection = GemmSelection(path, "measured", {p.value: round(timing.gflops(p), 2) for p in supported}, few_rows)
+    _write(entry, {"chosen": path.value, "candidates_gflops": selection.gflops, "few_rows": few_rows})
     return selection
 
 
@@ -96,6 +120,7 @@ def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dt
         ",".join(p.value for p in paths),
         ";".join(f"{s.out_features}x{s.in_features}x{s.count}x{s.max_rows}" for s in shapes),
         ",".join(map(str, TIMED_ROWS)),
+        f"few-rows {few_rows_product_available(dtype)} {','.join(map(str, FEW_ROWS_TIMED))}",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
@@ -104,7 +129,8 @@ def _read(entry: Path) -> dict | None:
     try:
         data = json.loads(entry.read_text())
         GemmPath(data["chosen"])
-        return data if isinstance(data.get("candidates_gflops"), dict) else None
+        valid = isinstance(data.get("candidates_gflops"), dict) and type(data.get("few_rows")) is int
+        return data if valid and data["few_rows"] >= 0 else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -119,4 +145,3 @@ def _write(entry: Path, data: dict) -> None:
         tmp.replace(entry)
     except OSError as error:
         _logger.warning("could not cache the matmul timing in %s: %s", entry.parent, error)
-

@@ -100,8 +100,14 @@ class LLMEngine:
         self.gemm = select_gemm_path(
             config.gemm_path, arch, self.device, precision.matmul, cache_root(config.cache_dir)
         )
-        self.model.use_gemm_path(self.gemm.path, precision.matmul)
-        _logger.info("matmul path %s (%s): %s", self.gemm.path, self.gemm.source, self.gemm.gflops or "not timed")
+        self.model.use_gemm_path(self.gemm.path, precision.matmul, self.gemm.few_rows)
+        _logger.info(
+            "matmul path %s (%s): %s; few-rows product up to %d rows",
+            self.gemm.path,
+            self.gemm.source,
+            self.gemm.gflops or "not timed",
+            self.gemm.few_rows,
+        )
         self.adapters = (
             AdapterSlots(
                 self.model, config.max_loras, config.max_lora_rank, config.resolve_max_cpu_loras(), self.device
@@ -558,6 +564,7 @@ class LLMEngine:
             "step_time_paused_seconds": self.time_paused_s,
             "gemm_path": self.gemm.path.value,
             "gemm_path_source": self.gemm.source,
+            "gemm_few_rows": self.gemm.few_rows,
             "precision": self.precision.describe(),
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
             "lora": self._adapter_stats(),

@@ -111,11 +111,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     )
 
 
-FEW_ROWS = 8  # the most rows `linear_few_rows` takes: past it a library GEMM's blocking wins (docs/benchmarks.md)
-
-
 def linear_few_rows(x, weight, bias, out_dtype):
-    """``x Wᵀ + b`` for at most ``FEW_ROWS`` rows of ``x`` and a contiguous bf16 ``weight``: the weight streamed
-    once, sums of exact bf16 products in float32, the result in ``out_dtype`` (float32 or bf16). Needs an
-    AVX512-BF16 CPU (``gemm.few_rows_product_available``)."""
+    """``x Wᵀ + b`` for a few rows of ``x`` and a contiguous float32 or bf16 ``weight``: the weight streamed once,
+    sums of exact products in float32, the result in ``out_dtype`` (float32 or bf16). Needs AVX2 and FMA for a
+    float32 weight, AVX512-BF16 for a bf16 one (``gemm.few_rows_product_available``)."""
     return torch.ops.pagewise_cpu.linear_few_rows(x, weight, bias, out_dtype)

@@ -8,10 +8,12 @@ The paths compute the same product; they differ in the library and in the weight
 - ``onednn-packed``: oneDNN's inner product with the weight reordered once into oneDNN's blocked layout (the
   path vLLM's CPU build takes). On AMD EPYC this is several times faster than MKL for a handful of rows.
 
-A bf16 product of at most ``cpu_ops.FEW_ROWS`` rows on the ``onednn-packed`` path (a decode step at low load) goes
-instead to the compiled ``linear_few_rows`` where the CPU has AVX512-BF16: at a handful of rows the product is
-the time to stream the weights, and oneDNN's kernels, blocked for many rows, stream them at about two thirds of
-its rate (docs/benchmarks.md). It reads the dense bf16 copy the path keeps anyway.
+A product of only a few rows (a decode step at low load) can go instead to the compiled ``linear_few_rows``
+(``PackedWeight``'s ``few_rows``): at a handful of rows the product is the time to stream the weights, and the
+libraries' kernels, blocked for many rows, stream them at two thirds to three quarters of the rate a plain pass
+reaches (docs/benchmarks.md). It reads the dense weight the path keeps anyway: bf16 on an AVX512-BF16 CPU, float32
+on any with AVX2 and FMA. How many rows it pays for differs between CPUs; ``time_few_rows`` measures it on a
+model's own weights, streamed from memory as a step streams them.
 
 All accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
 inputs). Either can run an fp32 model's projections in bf16 (``PackedWeight``'s ``compute_dtype``): the
@@ -54,26 +56,30 @@ class PackedWeight:
     stream, which saves a conversion pass each way. The dense ``weight`` stays the module's parameter (what the
     model's state and shapes are read from), so a packed or converted path holds the projection weights twice."""
 
-    __slots__ = ("path", "weight", "bias", "compute_dtype", "_packed", "_few_rows")
+    __slots__ = ("path", "weight", "bias", "compute_dtype", "few_rows", "_packed")
 
     def __init__(
-        self, path: GemmPath, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None
+        self,
+        path: GemmPath,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute_dtype: torch.dtype | None = None,
+        few_rows: int = 0,
     ) -> None:
+        """``few_rows``: products of at most this many rows go to ``cpu_ops.linear_few_rows`` (0: none); it
+        must run here for ``compute_dtype`` (``few_rows_product_available``)."""
         self.path, self.bias = path, bias
         self.compute_dtype = compute_dtype or weight.dtype
-        self.weight = weight.to(self.compute_dtype)
+        if few_rows and not (weight.is_cpu and few_rows_product_available(self.compute_dtype)):
+            raise ValueError(f"the few-rows product does not run here for {self.compute_dtype}")
+        self.weight = weight.to(self.compute_dtype).contiguous()
+        self.few_rows = few_rows
         packed = path is GemmPath.ONEDNN_PACKED
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight) if packed else None
-        self._few_rows = (
-            packed
-            and self.compute_dtype == torch.bfloat16
-            and self.weight.is_cpu
-            and few_rows_product_available()
-        )
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
-        if self._few_rows and x.shape[0] <= cpu_ops.FEW_ROWS and out_dtype in (torch.float32, torch.bfloat16):
+        if x.shape[0] <= self.few_rows and out_dtype in FEW_ROWS_DTYPES:
             return cpu_ops.linear_few_rows(x, self.weight, self.bias, out_dtype)
         if x.dtype == self.compute_dtype == out_dtype and (self.bias is None or self.bias.dtype == out_dtype):
             return self._product(x, self.bias)
@@ -128,11 +134,17 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)  # the weights, inputs and outputs `linear_few_rows` takes
+FEW_ROWS_FLAGS = {torch.float32: ("avx2", "fma"), torch.bfloat16: ("avx512_bf16",)}  # the instructions it needs
+
+
 @functools.cache
-def few_rows_product_available() -> bool:
-    """Whether ``cpu_ops.linear_few_rows`` runs here: the compiled kernels are loaded and the CPU has AVX512-BF16
-    (``vdpbf16ps``)."""
-    return cpu_ops.available() and "avx512_bf16" in cpu_flags()
+def few_rows_product_available(dtype: torch.dtype) -> bool:
+    """Whether ``cpu_ops.linear_few_rows`` runs here on a ``dtype`` weight: the compiled kernels are loaded and
+    the CPU has the instructions its loop for that dtype uses (FMA on AVX2 for float32, ``vdpbf16ps`` for bf16)."""
+    flags = cpu_flags()
+    needed = FEW_ROWS_FLAGS.get(dtype)
+    return needed is not None and all(flag in flags for flag in needed) and cpu_ops.available()
 
 
 def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:
@@ -244,3 +256,83 @@ def _time_call(op: PackedWeight, x: torch.Tensor, budget: float) -> float:
         op(x)
         calls += 1
     return elapsed / calls
+
+
+COLD_BYTES = 128 * 2**20  # per weight shape: past any CPU cache of this kind, so a timing streams from memory
+
+
+@dataclass(frozen=True, slots=True)
+class FewRowsTiming:
+    """Seconds one forward's projections take on a path (``path``) and through the few-rows product
+    (``few_rows``), per number of rows, and the flops of that forward per number of rows."""
+
+    path: dict[int, float]
+    few_rows: dict[int, float]
+    flops: dict[int, int]
+
+    def limit(self) -> int:
+        """The most rows to send to the few-rows product: the largest row count up to which it beat the path by
+        more than ``NOISE`` at every count timed (0: not at the smallest)."""
+        limit = 0
+        for rows in sorted(self.path):
+            if self.few_rows[rows] > self.path[rows] * (1 - NOISE):
+                break
+            limit = rows
+        return limit
+
+    def gflops(self) -> dict[int, dict[str, float]]:
+        return {
+            rows: {
+                "path": self.flops[rows] / self.path[rows] / 1e9,
+                "few-rows": self.flops[rows] / self.few_rows[rows] / 1e9,
+            }
+            for rows in self.path
+        }
+
+
+def time_few_rows(
+    path: GemmPath, shapes: Sequence[WeightShape], rows: Sequence[int], dtype: torch.dtype, *, rounds: int = 3
+) -> FewRowsTiming:
+    """Time one forward's projections on ``path`` and through ``cpu_ops.linear_few_rows`` at each row count.
+    Unlike ``time_paths``, which times one weight of each shape over and over (held in cache), each shape gets
+    its forward's own count of distinct weights, up to ``COLD_BYTES`` of them: a step reads every layer's weights
+    once, from memory, and at a few rows that read is the whole cost. The rounds interleave the two and the best
+    of each is kept. The product must run here for ``dtype`` (``few_rows_product_available``)."""
+    generator = torch.Generator().manual_seed(0)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    groups = []
+    for shape in shapes:
+        copies = max(1, min(shape.count, COLD_BYTES // (shape.out_features * shape.in_features * element_size)))
+        weights = [
+            torch.empty(shape.out_features, shape.in_features, dtype=dtype).uniform_(-0.05, 0.05, generator=generator)
+            for _ in range(copies)
+        ]
+        groups.append((shape, [PackedWeight(path, w, None) for w in weights]))
+    inputs = {
+        (m, shape): torch.randn(shape.rows(m), shape.in_features, generator=generator).to(dtype)
+        for m in rows
+        for shape in shapes
+    }
+
+    def forward_seconds(m: int, few: bool) -> float:
+        total = 0.0
+        for shape, ops in groups:
+            x = inputs[m, shape]
+            start = time.perf_counter()
+            for op in ops:
+                if few:
+                    cpu_ops.linear_few_rows(x, op.weight, None, dtype)
+                else:
+                    op(x)
+            total += (time.perf_counter() - start) * shape.count / len(ops)
+        return total
+
+    best = {(m, few): float("inf") for m in rows for few in (False, True)}
+    with torch.inference_mode():
+        for m, few in best:  # warm-up: first calls allocate
+            forward_seconds(m, few)
+        for _ in range(rounds):
+            for m, few in best:
+                best[m, few] = min(best[m, few], forward_seconds(m, few))
+    flops = {m: sum(2 * s.rows(m) * s.out_features * s.in_features * s.count for s in shapes) for m in rows}
+    return FewRowsTiming({m: best[m, False] for m in rows}, {m: best[m, True] for m in rows}, flops)

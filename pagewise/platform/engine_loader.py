@@ -59,5 +59,5 @@ def engine_summary(engine: AsyncLLMEngine) -> str:
         f"pagewise: serving {engine.model_name} (dtype {config.dtype}: {precision}; on {config.device}), max_model_len "
         f"{limits.max_model_len:,}, {blocks:,} KV blocks of {config.block_size} ({limits.kv_capacity_tokens:,} "
         f"tokens), max_num_seqs {limits.max_num_seqs}, {config.scheduling_policy} scheduling, matmul path "
-        f"{stats['gemm_path']}"
+        f"{stats['gemm_path']} (few-rows product up to {stats['gemm_few_rows']} rows)"
     )

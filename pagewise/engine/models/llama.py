@@ -52,11 +52,12 @@ class Linear(nn.Linear):
         self.lora_b: torch.Tensor | None = None
         self.lora_column_bounds: torch.Tensor | None = None
 
-    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
-        """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's)."""
+    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None, few_rows: int = 0) -> None:
+        """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's), products of at
+        most ``few_rows`` rows through the few-rows product (``PackedWeight``)."""
         bias = None if self.bias is None else self.bias.detach()
-        plain = path is GemmPath.TORCH and compute_dtype in (None, self.weight.dtype)
-        self._gemm = None if plain else PackedWeight(path, self.weight.detach(), bias, compute_dtype)
+        plain = path is GemmPath.TORCH and compute_dtype in (None, self.weight.dtype) and not few_rows
+        self._gemm = None if plain else PackedWeight(path, self.weight.detach(), bias, compute_dtype, few_rows)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -296,12 +297,12 @@ class LlamaForCausalLM(nn.Module):
             ]
         return projections
 
-    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None) -> None:
+    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None, few_rows: int = 0) -> None:
         """Run every projection, the LM head included, on ``path`` in ``compute_dtype`` (see
         ``Linear.use_gemm_path``)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_gemm_path(path, compute_dtype)
+                module.use_gemm_path(path, compute_dtype, few_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

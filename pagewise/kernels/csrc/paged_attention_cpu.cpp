@@ -1,6 +1,6 @@
 // Compiled CPU ops: decode attention that reads K/V blocks in place, the cache write, the fused per-token ops of a
 // decoder layer (RMSNorm, rotary embedding, SiLU-and-multiply, the residual add), each one pass over its rows,
-// the batched LoRA delta of a projection (rows grouped by adapter slot), and a bf16 projection of a few rows.
+// the batched LoRA delta of a projection (rows grouped by adapter slot), and a projection of a few rows.
 //
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
@@ -1074,42 +1074,123 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
     else with_stacks(xf, yf);
 }
 
-// ---- bf16 projections of a few rows (a decode step at low load): y = x W^T + b, W [out, in] bf16 as it lies (the
-// dense copy a packed matmul path keeps beside its blocked one). A step of a handful of rows does little arithmetic
-// per weight, so its time is the time to stream the weights; this reads each block of 64 weight rows once for all
-// the input rows (`bf16_dot_rows`, four input rows at a time, the block held in cache between them), the inputs
-// rounded to bf16 once. Sums in float32; the bias (float32) added to them, then the result stored in `out_dtype`
-// (a bf16 result rounded once, to nearest even).
+#if defined(__x86_64__)
+// ---- float32 dot products of a few input rows with AVX2 and FMA (every x86-64 CPU of this kind has them)
+#define PAGEWISE_AVX2_FMA __attribute__((target("avx2,fma")))
+
+bool cpu_has_avx2_fma() {
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return has;
+}
+
+// Lane j of the result: the sum of the eight lanes of v[j].
+PAGEWISE_AVX2_FMA inline __m256 sum_lanes_of_8(const __m256* v) {
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice gives, per 128-bit half, one
+    // partial sum of each of four vectors, and the halves' sums are the totals
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// s[r * s_stride + j] = x_r . w_j for r < rows (at most 4) and j < n, with float32 input rows (x, `in` apart) and
+// weight rows (w, `in` apart), accumulated in float32 eight elements a step (the last step masked). Two weight rows
+// at a time against all the input rows: up to eight accumulators beside two weight and one input register, fixed
+// trip counts so they stay among AVX2's sixteen registers, reduced together by `sum_lanes_of_8`. As in
+// `bf16_dot_rows`, the group four ahead (up to `prefetch_end`) is prefetched by hand, a line per step.
+PAGEWISE_AVX2_FMA
+void f32_dot_rows(const float* x, int64_t rows, const float* w, int64_t n, int64_t in, float* s, int64_t s_stride,
+                  const float* prefetch_end) {
+    const int64_t full = in / 8 * 8;
+    alignas(32) int32_t tail_bits[8];
+    for (int64_t i = 0; i < 8; ++i) tail_bits[i] = i < in - full ? -1 : 0;
+    const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail_bits));
+    for (int64_t j = 0; j < n; j += 2) {
+        const float* w0 = w + j * in;
+        const float* w1 = w + std::min(j + 1, n - 1) * in;  // past n: a real row, its sums unused
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        const char* ahead = reinterpret_cast<const char*>(w + (j + 8) * in);
+        const char* ahead_end = std::min(reinterpret_cast<const char*>(w + (j + 10) * in),
+                                         reinterpret_cast<const char*>(prefetch_end));
+        for (int64_t k = 0; k < full; k += 8) {
+            if (ahead + 8 * k < ahead_end) _mm_prefetch(ahead + 8 * k, _MM_HINT_T0);  // two rows: 64 bytes a step
+            const __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k);
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m256 xr = _mm256_loadu_ps(x + r * in + k);
+                acc[2 * r] = _mm256_fmadd_ps(xr, a, acc[2 * r]);
+                acc[2 * r + 1] = _mm256_fmadd_ps(xr, b, acc[2 * r + 1]);
+            }
+        }
+        if (full < in) {
+            const __m256 a = _mm256_maskload_ps(w0 + full, tail), b = _mm256_maskload_ps(w1 + full, tail);
+            for (int r = 0; r < 4; ++r) {
+                if (r >= rows) break;
+                const __m256 xr = _mm256_maskload_ps(x + r * in + full, tail);
+                acc[2 * r] = _mm256_fmadd_ps(xr, a, acc[2 * r]);
+                acc[2 * r + 1] = _mm256_fmadd_ps(xr, b, acc[2 * r + 1]);
+            }
+        }
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, sum_lanes_of_8(acc));
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t q = 0; q < 2 && j + q < n; ++q) s[r * s_stride + j + q] = sums[2 * r + q];
+    }
+}
+#endif
+
+// ---- projections of a few rows (a decode step at low load): y = x W^T + b, W [out, in] float32 or bf16 as it lies
+// (the dense weight a packed matmul path keeps beside its blocked one). A step of a handful of rows does little
+// arithmetic per weight, so its time is the time to stream the weights; this reads each block of 64 weight rows
+// once for all the input rows (four input rows at a time, the block held in cache between them), the inputs
+// converted to the weight's dtype once. A bf16 weight takes exact bf16 products (`bf16_dot_rows`, AVX512-BF16), a
+// float32 one float32 products (`f32_dot_rows`, AVX2 and FMA). Sums in float32; the bias (float32) added to them,
+// then the result stored in `out_dtype` (a bf16 result rounded once, to nearest even). How many rows it pays for
+// is the caller's to measure (`pagewise/engine/gemm_selection.py`).
 constexpr int64_t FEW_ROWS_BLOCK = 64;
 
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype) {
 #if defined(__x86_64__)
-    TORCH_CHECK(cpu_has_bf16_dot(), "linear_few_rows needs a CPU with AVX512-BF16");
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
-                "linear_few_rows takes a contiguous bf16 [out, in] weight");
+    const bool bf16 = weight.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((bf16 || weight.scalar_type() == at::kFloat) && weight.dim() == 2 && weight.is_contiguous(),
+                "linear_few_rows takes a contiguous float32 or bf16 [out, in] weight");
+    TORCH_CHECK(bf16 ? cpu_has_bf16_dot() : cpu_has_avx2_fma(),
+                bf16 ? "linear_few_rows needs a CPU with AVX512-BF16 for a bf16 weight"
+                     : "linear_few_rows needs a CPU with AVX2 and FMA for a float32 weight");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) &&
                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                 "linear_few_rows takes a float32 or bf16 [rows, in] input");
     TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "linear_few_rows gives float32 or bf16");
     TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "linear_few_rows: bias is [out]");
     const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-    const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+    const at::Tensor xc = x.to(weight.scalar_type()).contiguous();
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
     at::Tensor y = at::empty({rows, out}, x.options().dtype(out_dtype));
-    const uint16_t* xp = elements<const uint16_t>(xb);
-    const uint16_t* wp = elements<const uint16_t>(weight);
     const float* bp = b ? b->data_ptr<float>() : nullptr;
+    // sums[r * FEW_ROWS_BLOCK + j] = x_{r0 + r} . w_{j0 + j} for r < m and j < n; no weight row from `end_row` on
+    // (another thread's) is prefetched
+    auto dot_rows = [&](int64_t r0, int64_t m, int64_t j0, int64_t n, float* sums, int64_t end_row) {
+        if (bf16) {
+            const uint16_t* xp = elements<const uint16_t>(xc);
+            const uint16_t* wp = elements<const uint16_t>(weight);
+            bf16_dot_rows(xp + r0 * in, m, wp + j0 * in, n, in, sums, FEW_ROWS_BLOCK, wp + end_row * in);
+        } else {
+            const float* xp = xc.data_ptr<float>();
+            const float* wp = weight.data_ptr<float>();
+            f32_dot_rows(xp + r0 * in, m, wp + j0 * in, n, in, sums, FEW_ROWS_BLOCK, wp + end_row * in);
+        }
+    };
     const int64_t blocks = (out + FEW_ROWS_BLOCK - 1) / FEW_ROWS_BLOCK;
     auto run = [&](auto* yp) {
         at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
             alignas(64) float sums[4 * FEW_ROWS_BLOCK];
+            const int64_t end_row = std::min(end * FEW_ROWS_BLOCK, out);  // this thread's last weight row, + 1
             for (int64_t block = begin; block < end; ++block) {
                 const int64_t j0 = block * FEW_ROWS_BLOCK, n = std::min(FEW_ROWS_BLOCK, out - j0);
                 for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                     const int64_t m = std::min<int64_t>(4, rows - r0);
-                    bf16_dot_rows(xp + r0 * in, m, wp + j0 * in, n, in, sums, FEW_ROWS_BLOCK,
-                                  wp + std::min(end * FEW_ROWS_BLOCK, out) * in);
+                    dot_rows(r0, m, j0, n, sums, end_row);
                     for (int64_t r = 0; r < m; ++r)
                         for (int64_t j = 0; j < n; ++j)
                             narrow(sums[r * FEW_ROWS_BLOCK + j] + (bp ? bp[j0 + j] : 0.f), yp + (r0 + r) * out + j0 + j);
@@ -1121,7 +1202,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
     else run(y.data_ptr<float>());
     return y;
 #else
-    TORCH_CHECK(false, "linear_few_rows needs an x86-64 CPU with AVX512-BF16");
+    TORCH_CHECK(false, "linear_few_rows needs an x86-64 CPU");
 #endif
 }
 

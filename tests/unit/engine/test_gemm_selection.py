@@ -10,26 +10,42 @@ import torch
 
 from pagewise import EngineConfig
 from pagewise.engine.errors import InvalidConfigError
-from pagewise.engine.gemm_selection import select_gemm_path, weight_shapes
+from pagewise.engine.gemm_selection import FEW_ROWS_TIMED, select_gemm_path, weight_shapes
+from pagewise.engine.llm_engine import LLMEngine
 from pagewise.engine.model_config import ModelArchConfig
-from pagewise.kernels.gemm import GemmPath, WeightShape, supported_paths
+from pagewise.engine.models.llama import Linear
+from pagewise.kernels.gemm import GemmPath, WeightShape, few_rows_product_available, supported_paths
 
 CPU = torch.device("cpu")
+FEW_ROWS_AVAILABLE = few_rows_product_available(torch.float32)
 
 
 def arch(**overrides) -> ModelArchConfig:
     fields = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-        tie_word_embeddings=True, attention_bias=False,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=False,
     )
     return ModelArchConfig(**(fields | overrides))
 
 
 def test_weight_shapes_are_one_forwards_projections() -> None:
     assert weight_shapes(arch()) == [
-        WeightShape(64 + 2 * 32, 64, 2), WeightShape(64, 64, 2), WeightShape(192, 64, 2),
-        WeightShape(64, 96, 2), WeightShape(256, 64, 1, max_rows=64),
+        WeightShape(64 + 2 * 32, 64, 2),
+        WeightShape(64, 64, 2),
+        WeightShape(192, 64, 2),
+        WeightShape(64, 96, 2),
+        WeightShape(256, 64, 1, max_rows=64),
     ]
 
 
@@ -41,7 +57,7 @@ def test_an_unknown_path_is_a_config_error() -> None:
 @pytest.mark.parametrize("path", supported_paths(CPU, torch.float32))
 def test_a_named_path_is_used_as_given(tmp_path, path: GemmPath) -> None:
     selection = select_gemm_path(path.value, arch(), CPU, torch.float32, tmp_path)
-    assert (selection.path, selection.source) == (path, "forced")
+    assert (selection.path, selection.source, selection.few_rows) == (path, "forced", 0)
     assert not (tmp_path / "gemm").exists()
 
 
@@ -59,10 +75,16 @@ def test_auto_times_once_then_reuses_the_timing(tmp_path) -> None:
     first = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     assert first.source == "measured"
     assert set(first.gflops) == {p.value for p in supported_paths(CPU, torch.float32)}
+    assert first.few_rows in (0, *FEW_ROWS_TIMED) and (first.few_rows == 0 or FEW_ROWS_AVAILABLE)
     entries = list((tmp_path / "gemm").iterdir())
     assert len(entries) == 1 and json.loads(entries[0].read_text())["chosen"] == first.path.value
     again = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
-    assert (again.path, again.source, again.gflops) == (first.path, "cached", first.gflops)
+    assert (again.path, again.source, again.gflops, again.few_rows) == (
+        first.path,
+        "cached",
+        first.gflops,
+        first.few_rows,
+    )
 
 
 def test_other_shapes_or_dtype_are_timed_anew(tmp_path) -> None:
@@ -75,12 +97,36 @@ def test_a_cached_choice_is_what_the_entry_says(tmp_path) -> None:
     """The engine runs the cached path (here written by hand as torch) without timing again."""
     select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     (entry,) = (tmp_path / "gemm").iterdir()
-    entry.write_text(json.dumps({"chosen": "torch", "candidates_gflops": {"torch": 1.0}}))
+    entry.write_text(json.dumps({"chosen": "torch", "candidates_gflops": {"torch": 1.0}, "few_rows": 3}))
     selection = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     assert (selection.path, selection.source, selection.gflops) == (GemmPath.TORCH, "cached", {"torch": 1.0})
+    assert selection.few_rows == 3 and selection.describe()["few_rows"] == 3
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"chosen": "gpu-magic", "candidates_gflops": {}}', "[]"])
+@pytest.mark.skipif(not FEW_ROWS_AVAILABLE, reason="needs the compiled kernels and AVX2 with FMA")
+def test_the_engine_runs_its_projections_with_the_selected_few_rows_limit(tmp_path, tiny_model) -> None:
+    """A cached limit (written by hand over the engine's own measurement) reaches every projection, and the
+    engine reports it."""
+    path, _ = tiny_model("llama-tiny")
+    config = EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path))
+    assert LLMEngine(config).gemm.source == "measured"
+    (entry,) = (tmp_path / "gemm").iterdir()
+    entry.write_text(json.dumps({"chosen": "onednn-packed", "candidates_gflops": {}, "few_rows": 5}))
+    engine = LLMEngine(config)
+    assert (engine.gemm.source, engine.gemm.few_rows, engine.stats()["gemm_few_rows"]) == ("cached", 5, 5)
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._gemm.few_rows == 5 for m in linears)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"chosen": "gpu-magic", "candidates_gflops": {}, "few_rows": 0}',
+        '{"chosen": "torch", "candidates_gflops": {}}',  # written before the few-rows limit was measured
+        "[]",
+    ],
+)
 def test_a_broken_cache_entry_is_timed_again(tmp_path, content: str) -> None:
     select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     (entry,) = (tmp_path / "gemm").iterdir()

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 
 from pagewise.kernels import cpu_ops
 from pagewise.kernels.gemm import (
+    FewRowsTiming,
     GemmPath,
     GemmTiming,
     PackedWeight,
     WeightShape,
     few_rows_product_available,
     supported_paths,
+    time_few_rows,
     time_paths,
 )
 
@@ -97,36 +99,86 @@ def test_time_paths_reports_every_path_and_row_count() -> None:
     assert result.fastest() in CPU_PATHS and result.gflops(GemmPath.TORCH) > 0
 
 
-needs_few_rows = pytest.mark.skipif(
-    not few_rows_product_available(), reason="needs the compiled kernels and an AVX512-BF16 CPU"
-)
+FEW_ROWS_DTYPES = [
+    pytest.param(
+        dtype,
+        marks=pytest.mark.skipif(
+            not few_rows_product_available(dtype), reason=f"needs the compiled kernels and this CPU's {dtype} loop"
+        ),
+    )
+    for dtype in (torch.float32, torch.bfloat16)
+]
 
 
-@needs_few_rows
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("dtype", FEW_ROWS_DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13])
 @pytest.mark.parametrize(("d_in", "d_out"), [(576, 960), (40, 70)])  # (40, 70): a masked step, a partial block
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_few_rows_product_sums_exact_bf16_products_in_fp32(rows, d_in, d_out, out_dtype, with_bias) -> None:
+def test_the_few_rows_product_sums_exact_products_in_fp32(dtype, rows, d_in, d_out, out_dtype, with_bias) -> None:
     generator = torch.Generator().manual_seed(rows * d_in)
-    weight = torch.randn(d_out, d_in, generator=generator).bfloat16()
-    x = torch.randn(rows, d_in, generator=generator)  # rounded to bf16 by the op
+    weight = torch.randn(d_out, d_in, generator=generator).to(dtype)
+    x = torch.randn(rows, d_in, generator=generator)  # rounded to the weight's dtype by the op
     bias = torch.randn(d_out, generator=generator) if with_bias else None
     got = cpu_ops.linear_few_rows(x, weight, bias, out_dtype)
-    expected = F.linear(x.bfloat16().double(), weight.double(), None if bias is None else bias.double())
+    expected = F.linear(x.to(dtype).double(), weight.double(), None if bias is None else bias.double())
     assert got.dtype == out_dtype and got.shape == (rows, d_out)
     scale = expected.abs().max().item()
     tolerance = 1e-6 * scale if out_dtype is torch.float32 else 2**-8 * scale  # fp32 sums; one bf16 rounding
     assert (got.double() - expected).abs().max().item() <= tolerance
 
 
-@needs_few_rows
-def test_a_bf16_packed_weight_takes_the_few_rows_product_up_to_its_row_limit() -> None:
+def test_the_few_rows_product_refuses_what_it_does_not_take() -> None:
+    if not cpu_ops.available():
+        pytest.skip("needs the compiled kernels")
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="float32 or bf16 \\[out, in\\] weight"):
+        cpu_ops.linear_few_rows(x, torch.randn(4, 8).half(), None, torch.float32)
+    with pytest.raises(RuntimeError, match="\\[rows, in\\] input"):
+        cpu_ops.linear_few_rows(torch.randn(2, 9), torch.randn(4, 8), None, torch.float32)
+    with pytest.raises(RuntimeError, match="bias is \\[out\\]"):
+        cpu_ops.linear_few_rows(x, torch.randn(4, 8), torch.randn(5), torch.float32)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("dtype", FEW_ROWS_DTYPES)
+def test_a_packed_weight_takes_the_few_rows_product_up_to_its_row_limit(path, dtype) -> None:
     generator = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(130, 96, generator=generator), torch.randn(130, generator=generator)
-    packed = PackedWeight(GemmPath.ONEDNN_PACKED, weight, bias, torch.bfloat16)
-    for rows in (1, cpu_ops.FEW_ROWS, cpu_ops.FEW_ROWS + 1):
+    packed = PackedWeight(path, weight, bias, dtype, few_rows=5)
+    plain = PackedWeight(path, weight, bias, dtype)
+    for rows in (1, 5, 6):
         x = torch.randn(rows, 96, generator=generator)
         few = cpu_ops.linear_few_rows(x, packed.weight, bias, torch.float32)
-        assert torch.equal(packed(x), few) == (rows <= cpu_ops.FEW_ROWS)
-        torch.testing.assert_close(packed(x), few, rtol=2e-2, atol=5e-2)  # oneDNN rounds its sums to bf16
+        assert torch.equal(packed(x), few) == (rows <= 5)
+        assert torch.equal(packed(x), plain(x)) == (rows > 5)
+        torch.testing.assert_close(packed(x), few, rtol=2e-2, atol=5e-2)  # a bf16 path may round its sums
+
+
+def test_a_few_rows_limit_where_the_product_does_not_run_is_refused() -> None:
+    missing = [dtype for dtype in (torch.float16, torch.bfloat16) if not few_rows_product_available(dtype)]
+    with pytest.raises(ValueError, match="does not run here"):
+        PackedWeight(GemmPath.TORCH, torch.randn(4, 8), None, missing[0], few_rows=4)
+
+
+def few_rows_timing(path_s: dict[int, float], few_s: dict[int, float]) -> FewRowsTiming:
+    return FewRowsTiming(path_s, few_s, {rows: 1000 * rows for rows in path_s})
+
+
+def test_the_few_rows_limit_is_the_last_row_count_before_the_product_stops_winning_clearly() -> None:
+    assert few_rows_timing({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, {1: 0.7, 2: 0.8, 4: 0.9, 8: 1.2}).limit() == 4
+    # faster again at 8 after losing at 4: the limit stays below the first loss
+    assert few_rows_timing({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, {1: 0.7, 2: 0.8, 4: 1.1, 8: 0.9}).limit() == 2
+    assert few_rows_timing({1: 1.0, 2: 1.0}, {1: 0.98, 2: 0.5}).limit() == 0  # within noise is no win
+    assert few_rows_timing({1: 1.0, 2: 1.0}, {1: 0.5, 2: 0.5}).limit() == 2
+    assert few_rows_timing({1: 2.0}, {1: 1.0}).gflops() == {1: {"path": 5e-7, "few-rows": 1e-6}}
+
+
+@pytest.mark.parametrize("dtype", FEW_ROWS_DTYPES)
+def test_time_few_rows_times_both_at_every_row_count(dtype) -> None:
+    shapes = [WeightShape(64, 32, 3), WeightShape(96, 32, 1, max_rows=2)]
+    result = time_few_rows(CPU_PATHS[-1], shapes, (1, 4), dtype, rounds=1)
+    assert set(result.path) == set(result.few_rows) == {1, 4}
+    assert min(result.path.values()) > 0 and min(result.few_rows.values()) > 0
+    assert result.flops == {1: 2 * (64 * 32 * 3 + 96 * 32), 4: 2 * (4 * 64 * 32 * 3 + 2 * 96 * 32)}
+    assert result.limit() in (0, 1, 4)
