@@ -10,7 +10,10 @@
 // attention itself computes in float32 either way. Callers fall back to the torch reference for other dtypes.
 //
 // The hot loops live in functions built for several instruction sets (GCC `target_clones`): the loader picks the
-// best one the CPU supports at run time, so one build runs on AVX2 and AVX-512 machines alike.
+// best one the CPU supports at run time, so one build runs on AVX2 and AVX-512 machines alike. A few are written
+// for one instruction set with intrinsics and chosen at run time by the CPU's features: decode attention over a
+// bf16 cache with AVX512-BF16, over a float32 cache with AVX2 on CPUs without AVX-512, and the loops of the
+// few-rows product.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -421,6 +424,164 @@ void attend_unit_bf16_dot(const float* queries, const uint16_t* key_cache, const
 }
 #endif
 
+#if defined(__x86_64__)
+// ---- AVX2 and FMA (every x86-64 CPU of this kind): decode attention over a float32 cache on CPUs without AVX-512,
+// and the float32 loop of the few-rows product
+#define PAGEWISE_AVX2_FMA __attribute__((target("avx2,fma")))
+
+bool cpu_has_avx2_fma() {
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return has;
+}
+
+// Lane j of the result: the sum of the eight lanes of v[j].
+PAGEWISE_AVX2_FMA inline __m256 sum_lanes_of_8(const __m256* v) {
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice gives, per 128-bit half, one
+    // partial sum of each of four vectors, and the halves' sums are the totals
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+PAGEWISE_AVX2_FMA inline float sum_lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+PAGEWISE_AVX2_FMA inline float max_lanes(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x for x <= 0 as `exp_nonpositive` (the same reduction and polynomial), 2^n made from its exponent bits:
+// x >= -87 keeps n >= -126, a normal float.
+PAGEWISE_AVX2_FMA inline __m256 exp_nonpositive_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// o[0 .. 8C) += sum over j < rows of p[j] * v[j * stride .. + 8C): the C output vectors held in registers across
+// the rows.
+template <int C>
+PAGEWISE_AVX2_FMA inline void accumulate_f32_rows_of(const float* p, const float* v, int64_t rows, int64_t stride,
+                                                     float* o) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
+    for (int64_t j = 0; j < rows; ++j) {
+        const __m256 weight = _mm256_set1_ps(p[j]);
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+}
+
+// `accumulate_f32_rows_of` over a whole head (head_dim a multiple of 8), eight vectors at a time.
+PAGEWISE_AVX2_FMA inline void accumulate_f32_rows(const float* p, const float* v, int64_t rows, int64_t head_dim,
+                                                  float* o) {
+    int64_t d = 0;
+    for (; d + 64 <= head_dim; d += 64) accumulate_f32_rows_of<8>(p, v + d, rows, head_dim, o + d);
+    switch ((head_dim - d) / 8) {
+        case 1: return accumulate_f32_rows_of<1>(p, v + d, rows, head_dim, o + d);
+        case 2: return accumulate_f32_rows_of<2>(p, v + d, rows, head_dim, o + d);
+        case 3: return accumulate_f32_rows_of<3>(p, v + d, rows, head_dim, o + d);
+        case 4: return accumulate_f32_rows_of<4>(p, v + d, rows, head_dim, o + d);
+        case 5: return accumulate_f32_rows_of<5>(p, v + d, rows, head_dim, o + d);
+        case 6: return accumulate_f32_rows_of<6>(p, v + d, rows, head_dim, o + d);
+        case 7: return accumulate_f32_rows_of<7>(p, v + d, rows, head_dim, o + d);
+        default: return;
+    }
+}
+
+// One (sequence, kv head) unit as `attend_body`, for a float32 cache with head_dim a multiple of 8, on AVX2: the
+// scores of eight tokens at a time per query head (eight accumulators over the head's vectors, the query vector
+// loaded once for the eight, reduced together by `sum_lanes_of_8`; the portable body reduces every token's sum
+// on its own), the scale folded into the query first, a vectorized softmax, and the values accumulated into
+// output vectors held in registers across a block's rows. `scores` holds group * context_len floats,
+// `scaled` group * head_dim.
+PAGEWISE_AVX2_FMA
+void attend_unit_f32_avx2(const float* queries, const float* key_cache, const float* value_cache,
+                          const int32_t* table, int64_t context_len, int64_t kv_head, int64_t num_kv_heads,
+                          int64_t block_size, int64_t head_dim, int64_t group, float scale, float* scores,
+                          float* scaled, float* out) {
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t head_offset = kv_head * block_size * head_dim;
+    for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = queries[i] * scale;
+    for (int64_t t = 0; t < context_len;) {
+        const float* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const int64_t run = std::min(block_size - t % block_size, context_len - t);
+        prefetch_ahead(key_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
+        int64_t i = 0;
+        for (; i + 8 <= run; i += 8) {
+            const float* rows = k + i * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+                const float* q = scaled + g * head_dim;
+                __m256 acc[8];
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < head_dim; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(q + d);
+                    for (int j = 0; j < 8; ++j)
+                        acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows + j * head_dim + d), acc[j]);
+                }
+                _mm256_storeu_ps(scores + g * context_len + t + i, sum_lanes_of_8(acc));
+            }
+        }
+        for (; i < run; ++i)
+            for (int64_t g = 0; g < group; ++g) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t d = 0; d < head_dim; d += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(scaled + g * head_dim + d),
+                                          _mm256_loadu_ps(k + i * head_dim + d), acc);
+                scores[g * context_len + t + i] = sum_lanes(acc);
+            }
+        t += run;
+    }
+    prefetch_block(value_cache, table, 0, context_len, block_stride, head_offset, block_size, head_dim);
+    const int64_t full = context_len & ~int64_t{7};
+    for (int64_t g = 0; g < group; ++g) {
+        float* row = scores + g * context_len;
+        __m256 peak8 = _mm256_set1_ps(-std::numeric_limits<float>::max());
+        for (int64_t t = 0; t < full; t += 8) peak8 = _mm256_max_ps(peak8, _mm256_loadu_ps(row + t));
+        float peak = max_lanes(peak8);
+        for (int64_t t = full; t < context_len; ++t) peak = std::max(peak, row[t]);
+        const __m256 peaks = _mm256_set1_ps(peak);
+        __m256 total8 = _mm256_setzero_ps();
+        for (int64_t t = 0; t < full; t += 8) {
+            const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + t), peaks));
+            _mm256_storeu_ps(row + t, e);
+            total8 = _mm256_add_ps(total8, e);
+        }
+        float total = sum_lanes(total8);
+        for (int64_t t = full; t < context_len; ++t) total += row[t] = std::exp(row[t] - peak);
+        const float inverse = 1.f / total;
+        const __m256 inverse8 = _mm256_set1_ps(inverse);
+        for (int64_t t = 0; t < full; t += 8) _mm256_storeu_ps(row + t, _mm256_mul_ps(_mm256_loadu_ps(row + t), inverse8));
+        for (int64_t t = full; t < context_len; ++t) row[t] *= inverse;
+        std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
+    }
+    for (int64_t t = 0; t < context_len;) {
+        const float* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
+        const int64_t run = std::min(block_size - t % block_size, context_len - t);
+        prefetch_ahead(value_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
+        for (int64_t g = 0; g < group; ++g)
+            accumulate_f32_rows(scores + g * context_len + t, v, run, head_dim, out + g * head_dim);
+        t += run;
+    }
+}
+#endif
+
 // A cache's elements as `T` (float for a float32 cache, uint16_t for a bf16 one).
 template <typename T>
 T* elements(const at::Tensor& cache) {
@@ -493,6 +654,22 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 #endif
         attend_all(elements<const uint16_t>(key_cache), elements<const uint16_t>(value_cache));
     } else {
+#if defined(__x86_64__)
+        if (!cpu_has_avx512() && cpu_has_avx2_fma() && head_dim % 8 == 0) {
+            at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+                std::vector<float> scores(group * longest), scaled(group * head_dim);
+                for (int64_t unit = begin; unit < end; ++unit) {
+                    const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
+                    const int64_t row = (s * num_heads + h * group) * head_dim;
+                    attend_unit_f32_avx2(q_ptr + row, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                                         table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads, block_size,
+                                         head_dim, group, static_cast<float>(scale), scores.data(), scaled.data(),
+                                         out_ptr + row);
+                }
+            });
+            return out;
+        }
+#endif
         attend_all(elements<const float>(key_cache), elements<const float>(value_cache));
     }
     return out;
@@ -1075,23 +1252,6 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, cons
 }
 
 #if defined(__x86_64__)
-// ---- float32 dot products of a few input rows with AVX2 and FMA (every x86-64 CPU of this kind has them)
-#define PAGEWISE_AVX2_FMA __attribute__((target("avx2,fma")))
-
-bool cpu_has_avx2_fma() {
-    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return has;
-}
-
-// Lane j of the result: the sum of the eight lanes of v[j].
-PAGEWISE_AVX2_FMA inline __m256 sum_lanes_of_8(const __m256* v) {
-    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice gives, per 128-bit half, one
-    // partial sum of each of four vectors, and the halves' sums are the totals
-    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
-}
-
 // s[r * s_stride + j] = x_r . w_j for r < rows (at most 4) and j < n, with float32 input rows (x, `in` apart) and
 // weight rows (w, `in` apart), accumulated in float32 eight elements a step (the last step masked). Two weight rows
 // at a time against all the input rows: up to eight accumulators beside two weight and one input register, fixed
