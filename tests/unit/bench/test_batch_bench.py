@@ -22,7 +22,11 @@ def test_bench_batch_quick_json() -> None:
         assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
         assert figures["processed_tokens_per_s"] > 0
     assert result["full_load"]["processed_tokens_per_s"] > result["solo"]["processed_tokens_per_s"]
-    assert result["batch"]["request_counts_at_end"]["completed"] > 0  # the batch ran during the window
+    # the batch's lines ran during the window: the engine processed far more than the interactive requests alone
+    # (whether any line also finished inside the quick bench's 4 s depends on the CPU's speed)
+    assert result["batch"]["processed_tokens_per_s"] > 2 * result["solo"]["processed_tokens_per_s"]
+    counts = result["batch"]["request_counts_at_end"]
+    assert counts["total"] == result["workload"]["lines"] and counts["failed"] == 0
     for phase in ("solo", "batch"):
         parts = result["interactive_ttft_parts"][phase]
         assert 0 < parts["engine_p50_ms"] < result[phase]["ttft_p99_ms"] and parts["hand_over_p50_ms"] >= 0
