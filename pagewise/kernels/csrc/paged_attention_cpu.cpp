@@ -613,54 +613,41 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
-    auto attend_all = [&](const auto* k_ptr, const auto* v_ptr) {
+    // Every (sequence, kv head) unit through `attend` (a unit function: they share one signature) over the thread
+    // pool, each thread with a scores buffer of `scores_size` floats and a scratch one of `scratch_size`.
+    auto attend_units = [&](auto attend, const auto* k_ptr, const auto* v_ptr, int64_t scores_size,
+                            int64_t scratch_size) {
         at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> scores(group * longest), tile(16 * head_dim);
+            std::vector<float> scores(scores_size), scratch(scratch_size);
             for (int64_t unit = begin; unit < end; ++unit) {
                 const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
                 const int64_t row = (s * num_heads + h * group) * head_dim;
-                attend_unit(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
-                            block_size, head_dim, group, static_cast<float>(scale), scores.data(), tile.data(),
-                            out_ptr + row);
+                attend(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads, block_size,
+                       head_dim, group, static_cast<float>(scale), scores.data(), scratch.data(), out_ptr + row);
             }
         });
     };
+    auto portable = [](auto... args) { attend_unit(args...); };
     if (key_cache.scalar_type() == at::kBFloat16) {
+        const uint16_t* k_ptr = elements<const uint16_t>(key_cache);
+        const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
 #if defined(__x86_64__)
         if (cpu_has_bf16_dot() && head_dim % 32 == 0 && head_dim <= 256 && group <= 8) {
-            at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-                std::vector<float> scores(group * longest + 16), tile(16 * head_dim);
-                for (int64_t unit = begin; unit < end; ++unit) {
-                    const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
-                    const int64_t row = (s * num_heads + h * group) * head_dim;
-                    attend_unit_bf16_dot(q_ptr + row, elements<const uint16_t>(key_cache),
-                                         elements<const uint16_t>(value_cache), table_ptr + s * max_blocks,
-                                         len_ptr[s], h, num_kv_heads, block_size, head_dim, group,
-                                         static_cast<float>(scale), scores.data(), tile.data(), out_ptr + row);
-                }
-            });
+            attend_units(attend_unit_bf16_dot, k_ptr, v_ptr, group * longest + 16, 16 * head_dim);
             return out;
         }
 #endif
-        attend_all(elements<const uint16_t>(key_cache), elements<const uint16_t>(value_cache));
+        attend_units(portable, k_ptr, v_ptr, group * longest, 16 * head_dim);
     } else {
+        const float* k_ptr = elements<const float>(key_cache);
+        const float* v_ptr = elements<const float>(value_cache);
 #if defined(__x86_64__)
         if (!cpu_has_avx512() && cpu_has_avx2_fma() && head_dim % 8 == 0) {
-            at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-                std::vector<float> scores(group * longest), scaled(group * head_dim);
-                for (int64_t unit = begin; unit < end; ++unit) {
-                    const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
-                    const int64_t row = (s * num_heads + h * group) * head_dim;
-                    attend_unit_f32_avx2(q_ptr + row, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                                         table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads, block_size,
-                                         head_dim, group, static_cast<float>(scale), scores.data(), scaled.data(),
-                                         out_ptr + row);
-                }
-            });
+            attend_units(attend_unit_f32_avx2, k_ptr, v_ptr, group * longest, group * head_dim);
             return out;
         }
 #endif
-        attend_all(elements<const float>(key_cache), elements<const float>(value_cache));
+        attend_units(portable, k_ptr, v_ptr, group * longest, 16 * head_dim);
     }
     return out;
 }
