@@ -4,11 +4,12 @@ the one the engine runs with.
 Each path (``pagewise.kernels.gemm``) computes one forward's projections (fused qkv, o, gate/up, down per layer,
 plus the LM head) at the row counts the engine's start-up timing uses (a few decodes, a decode batch, a prefill
 chunk). ``candidates`` is each path's GFLOP/s over all of them; ``by_rows`` splits it by row count; ``fastest``
-is the pick this run's timing makes; ``chosen`` is the engine's own (``gemm_selection``: from its per-CPU cache
-when it has timed this machine kind before, so the two can differ when paths are within noise of each other).
-Where the compiled few-rows product runs for the dtype, ``few_rows`` has its timing against the fastest path at
-1 to 16 rows (the weights streamed from memory, as in a step), the limit this run's timing gives and the
-engine's own.
+is the plan this run's timing makes (the fastest path per band of row counts, ``GemmTiming.plan``), ``chosen``
+the engine's own (``gemm_selection``: from its per-CPU cache when it has timed this machine kind before, so the
+two can differ when paths are within noise of each other), each as its description and as ``[bound, path]``
+bands (``fastest_bands``, ``chosen_bands``). Where the compiled few-rows product runs for the dtype,
+``few_rows`` has its timing against the smallest rows' path at 1 to 16 rows (the weights streamed from memory,
+as in a step), the limit this run's timing gives and the engine's own.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = str(matmul).removeprefix("torch.")
     print(f"timing {', '.join(paths)} on {args.model}'s projections ({dtype})", flush=True)
     timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, matmul)
+    fastest = timing.plan()
+    few_path = fastest.path_for(FEW_ROWS_TIMED[-1])
     available = few_rows_product_available(matmul)
-    few = time_few_rows(timing.fastest(), weight_shapes(arch), FEW_ROWS_TIMED, matmul) if available else None
+    few = time_few_rows(few_path, weight_shapes(arch), FEW_ROWS_TIMED, matmul) if available else None
     chosen = select_gemm_path("auto", arch, device, matmul, cache_root(None))
     name, _, flags = cpu_signature().partition(" | ")
     result: dict[str, Any] = {
@@ -55,15 +58,17 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "candidates": {p.value: round(timing.gflops(p), 2) for p in paths},
         "by_rows": {str(m): {p.value: round(timing.gflops_at(p, m), 2) for p in paths} for m in TIMED_ROWS},
-        "fastest": timing.fastest().value,
-        "chosen": chosen.path.value,
+        "fastest": fastest.describe(),
+        "fastest_bands": fastest.as_json(),
+        "chosen": chosen.plan.describe(),
+        "chosen_bands": chosen.plan.as_json(),
         "chosen_source": chosen.source,
         "few_rows": None
         if few is None
         else {
             "by_rows": {str(m): {k: round(v, 2) for k, v in g.items()} for m, g in few.gflops().items()},
             "limit_now": few.limit(),
-            "limit": chosen.few_rows,
+            "limit": chosen.plan.few_rows,
         },
     }
     if args.json:
@@ -76,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'all':>6} " + " ".join(f"{timing.gflops(p):>14.1f}" for p in paths))
     print(f"fastest now: {result['fastest']}; the engine runs: {result['chosen']} ({result['chosen_source']})")
     if few is not None:
-        print(f"few rows, weights from memory ({result['fastest']} vs the few-rows product):")
+        print(f"few rows, weights from memory ({few_path.value} vs the few-rows product):")
         for m, rates in few.gflops().items():
             print(f"{m:>6} {rates['path']:>14.1f} {rates['few-rows']:>14.1f}")
-        print(f"the few-rows product pays up to {few.limit()} rows now; the engine's limit: {chosen.few_rows}")
+        print(f"the few-rows product pays up to {few.limit()} rows now; the engine's limit: {chosen.plan.few_rows}")
     return ExitStatus.OK
 
 

@@ -96,14 +96,14 @@ def merged(llm: LLM, lora_request: LoRARequest):
                     deltas.append(adapter.scaling * (torch.from_numpy(pair[1]) @ torch.from_numpy(pair[0])))
             saved.append((linear, linear.weight.detach().clone()))
             linear.weight += torch.cat(deltas).to(linear.weight.dtype)
-            linear.use_gemm_path(engine.gemm.path, engine.precision.matmul)
+            linear.use_gemm_plan(engine.gemm.plan, engine.precision.matmul)
     try:
         yield
     finally:
         with torch.inference_mode():
             for linear, weight in saved:
                 linear.weight.copy_(weight)
-                linear.use_gemm_path(engine.gemm.path, engine.precision.matmul)
+                linear.use_gemm_plan(engine.gemm.plan, engine.precision.matmul)
 
 
 def merged_run(llm: LLM, workload: Workload, adapters: list[LoRARequest]) -> float:
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "rank": args.rank,
         "max_loras": args.max_loras,
         "precision": engine.precision.describe(),
-        "gemm_path": engine.gemm.path.value,
+        "gemm_path": engine.gemm.plan.describe(),
         "delta_ms": delta_timings(llm),
     }
     log(f"LoRA delta per step, ms: {result['delta_ms']}")

@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     backends = (["cpu"] if cpu_ops.available() else []) + ["torch"]
     result: dict[str, Any] = {
         "num_seqs": num_seqs,
-        "gemm_path": engine.gemm.path.value,
+        "gemm_path": engine.gemm.plan.describe(),
         "precision": engine.precision.describe(),
         "sampled": args.sampled,
         "torch_threads": torch.get_num_threads(),

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     )
     result: dict[str, object] = {
         "max_num_batched_tokens": llm.engine.max_num_batched_tokens,
-        "gemm_path": llm.engine.gemm.path.value,
+        "gemm_path": llm.engine.gemm.plan.describe(),
         "precision": llm.engine.precision.describe(),
         "num_requests": num,
         "num_prompt_tokens": workload.num_prompt_tokens,

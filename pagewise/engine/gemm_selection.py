@@ -2,17 +2,18 @@
 
 ``EngineConfig.gemm_path`` is ``auto`` (the default) or a path's name. ``auto`` on CUDA is ``torch``. On CPU it
 times every path this machine supports on the model's own weight shapes, at a decode-sized, a mid-sized and a
-prefill-chunk-sized step, and takes the fastest one that is nowhere slower than ``torch``
-(``GemmTiming.fastest``). The timing is stored under ``<cache root>/gemm/`` keyed by everything that decides
-it — the CPU's model name and flags, torch's version, the number of threads, the dtype and the shapes — so it
-runs once per machine kind and model (about a second for SmolLM2), and a machine of another kind measures anew.
-A named path is used as given, after checking that this machine runs it.
+prefill-chunk-sized step, and runs each band of row counts on the path fastest there (``GemmTiming.plan``: one
+path for every step where one is fastest throughout). The timing is stored under ``<cache root>/gemm/`` keyed
+by everything that decides it — the CPU's model name and flags, torch's version, the number of threads, the
+dtype and the shapes — so it runs once per machine kind and model (about a second for SmolLM2), and a machine
+of another kind measures anew. A named path is used as given, after checking that this machine runs it.
 
-With the path chosen, ``auto`` also measures how many rows of a step the compiled few-rows product
-(``cpu_ops.linear_few_rows``) beats it for, where that product runs for the dtype (``few_rows``: 0 where it does
-not, or where it is slower even for one row): the model's weights streamed from memory as in a step
-(``time_few_rows``), at 1 to 16 rows. That limit depends on the CPU's memory system and the library's kernels as
-much as on the instructions, so it is measured, not assumed. A named path runs every product on that path.
+With the bands chosen, ``auto`` also measures how many rows of a step the compiled few-rows product
+(``cpu_ops.linear_few_rows``) beats the smallest rows' path for, where that product runs for the dtype
+(``few_rows``: 0 where it does not, or where it is slower even for one row): the model's weights streamed from
+memory as in a step (``time_few_rows``), at 1 to 16 rows. That limit depends on the CPU's memory system and the
+library's kernels as much as on the instructions, so it is measured, not assumed. A named path runs every
+product on that path (the off switch for comparisons).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.model_config import ModelArchConfig
 from pagewise.kernels.gemm import (
     GemmPath,
+    GemmPlan,
     WeightShape,
     cpu_signature,
     few_rows_product_available,
@@ -49,23 +51,14 @@ _logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class GemmSelection:
-    """The path chosen and why: ``source`` is ``forced`` (named in the config), ``measured`` (timed now),
-    ``cached`` (timed earlier on this kind of machine) or ``device`` (CUDA: torch). ``gflops`` holds each
-    candidate's rate when it was timed; ``few_rows`` is the most rows of a product sent to the few-rows product
-    instead (0: none)."""
+    """The plan chosen (paths by row count, and the few-rows product's limit) and why: ``source`` is ``forced``
+    (a path named in the config), ``measured`` (timed now), ``cached`` (timed earlier on this kind of machine)
+    or ``device`` (CUDA: torch). ``gflops`` holds each candidate path's rate over every row count when it was
+    timed."""
 
-    path: GemmPath
+    plan: GemmPlan
     source: str
     gflops: dict[str, float]
-    few_rows: int = 0
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "path": self.path.value,
-            "source": self.source,
-            "candidates_gflops": dict(self.gflops),
-            "few_rows": self.few_rows,
-        }
 
 
 def weight_shapes(arch: ModelArchConfig) -> list[WeightShape]:
@@ -95,19 +88,21 @@ def select_gemm_path(
             raise InvalidConfigError(
                 f"gemm_path {requested!r} does not run on {device.type} for {dtype} here; supported: {names}"
             )
-        return GemmSelection(path, "forced", {})
+        return GemmSelection(GemmPlan.single(path), "forced", {})
     if device.type != "cpu":
-        return GemmSelection(GemmPath.TORCH, "device", {})
+        return GemmSelection(GemmPlan.single(GemmPath.TORCH), "device", {})
     shapes = weight_shapes(arch)
     entry = cache_root / "gemm" / f"{_cache_key(supported, shapes, dtype)}.json"
     cached = _read(entry)
     if cached is not None:
-        return GemmSelection(GemmPath(cached["chosen"]), "cached", cached["candidates_gflops"], cached["few_rows"])
+        return GemmSelection(cached[0], "cached", cached[1])
     timing = time_paths(supported, shapes, TIMED_ROWS, dtype)
-    path = timing.fastest()
-    few_rows = time_few_rows(path, shapes, FEW_ROWS_TIMED, dtype).limit() if few_rows_product_available(dtype) else 0
-    selection = GemmSelection(path, "measured", {p.value: round(timing.gflops(p), 2) for p in supported}, few_rows)
-    _write(entry, {"chosen": path.value, "candidates_gflops": selection.gflops, "few_rows": few_rows})
+    plan = timing.plan()
+    if few_rows_product_available(dtype):  # timed against the path its row counts would otherwise run on
+        few = time_few_rows(plan.path_for(FEW_ROWS_TIMED[-1]), shapes, FEW_ROWS_TIMED, dtype)
+        plan = GemmPlan(plan.bands, few.limit())
+    selection = GemmSelection(plan, "measured", {p.value: round(timing.gflops(p), 2) for p in supported})
+    _write(entry, {"bands": plan.as_json(), "candidates_gflops": selection.gflops, "few_rows": plan.few_rows})
     return selection
 
 
@@ -125,12 +120,15 @@ def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dt
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def _read(entry: Path) -> dict | None:
+def _read(entry: Path) -> tuple[GemmPlan, dict[str, float]] | None:
+    """The cached plan and candidates' rates, or None for a missing entry or one this version did not write
+    (an entry from before the plan had bands has a ``chosen`` path instead: measured anew)."""
     try:
         data = json.loads(entry.read_text())
-        GemmPath(data["chosen"])
-        valid = isinstance(data.get("candidates_gflops"), dict) and type(data.get("few_rows")) is int
-        return data if valid and data["few_rows"] >= 0 else None
+        gflops = data["candidates_gflops"]
+        if not isinstance(gflops, dict) or type(data["few_rows"]) is not int:
+            return None
+        return GemmPlan.from_json(data["bands"], data["few_rows"]), gflops
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -100,13 +100,13 @@ class LLMEngine:
         self.gemm = select_gemm_path(
             config.gemm_path, arch, self.device, precision.matmul, cache_root(config.cache_dir)
         )
-        self.model.use_gemm_path(self.gemm.path, precision.matmul, self.gemm.few_rows)
+        self.model.use_gemm_plan(self.gemm.plan, precision.matmul)
         _logger.info(
             "matmul path %s (%s): %s; few-rows product up to %d rows",
-            self.gemm.path,
+            self.gemm.plan.describe(),
             self.gemm.source,
             self.gemm.gflops or "not timed",
-            self.gemm.few_rows,
+            self.gemm.plan.few_rows,
         )
         self.adapters = (
             AdapterSlots(
@@ -562,9 +562,9 @@ class LLMEngine:
             "steps_paused": self.steps_paused,
             "step_interrupts": self.step_interrupts,
             "step_time_paused_seconds": self.time_paused_s,
-            "gemm_path": self.gemm.path.value,
+            "gemm_path": self.gemm.plan.describe(),
             "gemm_path_source": self.gemm.source,
-            "gemm_few_rows": self.gemm.few_rows,
+            "gemm_few_rows": self.gemm.plan.few_rows,
             "precision": self.precision.describe(),
             "tenants": s.fair.snapshot(s.waiting, s.running) if s.fair is not None else {},
             "lora": self._adapter_stats(),

@@ -15,6 +15,10 @@ reaches (docs/benchmarks.md). It reads the dense weight the path keeps anyway: b
 on any with AVX2 and FMA. How many rows it pays for differs between CPUs; ``time_few_rows`` measures it on a
 model's own weights, streamed from memory as a step streams them.
 
+Which path is fastest can change with the number of rows (on an AMX Xeon oneDNN's packed product is twice
+MKL's at 4 and 64 rows and level with it at 512): a ``GemmPlan`` names a path per band of row counts, each
+band's the fastest measured there (``GemmTiming.plan``), and ``PackedWeight`` follows it product by product.
+
 All accumulate in fp32 and agree within rounding (the tests hold each path to the torch reference on random
 inputs). Either can run an fp32 model's projections in bf16 (``PackedWeight``'s ``compute_dtype``): the
 engine's ``dtype=auto`` does so where the CPU multiplies bf16 natively (``cpu_has_native_bf16``). MKL's packed
@@ -26,8 +30,9 @@ step's row count changes every step. A path this build or this CPU cannot run fo
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import platform
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,47 +52,93 @@ class GemmPath(StrEnum):
     ONEDNN_PACKED = "onednn-packed"
 
 
-class PackedWeight:
-    """A weight (``[out, in]``) and bias prepared once for ``path``; calling it computes ``x Wᵀ + b`` for a 2-D
-    ``x`` of the weight's or the compute dtype. With a ``compute_dtype`` other than the weight's (bf16 for an
-    fp32 model), the weight is held in ``compute_dtype``, ``x`` is rounded to it on entry (unless it comes in it)
-    and the product accumulates in fp32. The result comes back in ``out_dtype`` (default: ``x``'s), the bias
-    added in that dtype: a bf16 result can go straight into the next bf16 product or into the fp32 residual
-    stream, which saves a conversion pass each way. The dense ``weight`` stays the module's parameter (what the
-    model's state and shapes are read from), so a packed or converted path holds the projection weights twice."""
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    """Which product a projection of a given number of rows runs: at most ``few_rows`` rows (0: none) the
+    compiled few-rows product, otherwise the path of the first band of ``bands`` whose bound is at least the
+    row count. ``bands`` is ``((bound, path), …)`` with bounds increasing and the last one ``None`` (every larger
+    product); adjacent bands have different paths."""
 
-    __slots__ = ("path", "weight", "bias", "compute_dtype", "few_rows", "_packed")
+    bands: tuple[tuple[int | None, GemmPath], ...]
+    few_rows: int = 0
+
+    def __post_init__(self) -> None:
+        bounds = [bound for bound, _ in self.bands]
+        if not bounds or bounds[-1] is not None or None in bounds[:-1] or bounds[:-1] != sorted(set(bounds[:-1])):
+            raise ValueError(f"bands must have increasing bounds and end with None: {self.bands}")
+        if any(below[1] is above[1] for below, above in itertools.pairwise(self.bands)):
+            raise ValueError(f"bands must change path from one to the next: {self.bands}")
+        if self.few_rows < 0:
+            raise ValueError(f"few_rows must be >= 0, not {self.few_rows}")
+
+    @classmethod
+    def single(cls, path: GemmPath, few_rows: int = 0) -> GemmPlan:
+        return cls(((None, path),), few_rows)
+
+    @property
+    def paths(self) -> frozenset[GemmPath]:
+        return frozenset(path for _, path in self.bands)
+
+    def path_for(self, rows: int) -> GemmPath:
+        return next(path for bound, path in self.bands if bound is None or rows <= bound)
+
+    def describe(self) -> str:
+        """The path's name for a one-band plan; else e.g. ``onednn-packed up to 181 rows, torch above``."""
+        parts = [f"{path.value} up to {bound} rows" for bound, path in self.bands[:-1]]
+        return ", ".join([*parts, f"{self.bands[-1][1].value} above"]) if parts else self.bands[0][1].value
+
+    def as_json(self) -> list[list[object]]:
+        return [[bound, path.value] for bound, path in self.bands]
+
+    @classmethod
+    def from_json(cls, bands: list[list[object]], few_rows: int) -> GemmPlan:
+        """The inverse of ``as_json``; raises ``ValueError`` or ``TypeError`` for anything it did not write."""
+        parsed = []
+        for bound, path in bands:
+            if bound is not None and type(bound) is not int:
+                raise TypeError(f"a band's bound is an int or None, not {bound!r}")
+            parsed.append((bound, GemmPath(path)))
+        return cls(tuple(parsed), few_rows)
+
+
+class PackedWeight:
+    """A weight (``[out, in]``) and bias prepared once for the paths of ``plan``; calling it computes
+    ``x Wᵀ + b`` for a 2-D ``x`` of the weight's or the compute dtype on the product the plan names for ``x``'s
+    row count. With a ``compute_dtype`` other than the weight's (bf16 for an fp32 model), the weight is held in
+    ``compute_dtype``, ``x`` is rounded to it on entry (unless it comes in it) and the product accumulates in
+    fp32. The result comes back in ``out_dtype`` (default: ``x``'s), the bias added in that dtype: a bf16 result
+    can go straight into the next bf16 product or into the fp32 residual stream, which saves a conversion pass
+    each way. The dense ``weight`` (in ``compute_dtype``) serves the ``torch`` path and the few-rows product, the
+    reordered one the ``onednn-packed`` path; the module's parameter stays what the model's state and shapes are
+    read from, so a packed or converted weight is held twice."""
+
+    __slots__ = ("plan", "weight", "bias", "compute_dtype", "_packed")
 
     def __init__(
-        self,
-        path: GemmPath,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        compute_dtype: torch.dtype | None = None,
-        few_rows: int = 0,
+        self, plan: GemmPlan, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None
     ) -> None:
-        """``few_rows``: products of at most this many rows go to ``cpu_ops.linear_few_rows`` (0: none); it
-        must run here for ``compute_dtype`` (``few_rows_product_available``)."""
-        self.path, self.bias = path, bias
+        """The plan's few-rows product must run here for ``compute_dtype`` (``few_rows_product_available``)."""
+        self.plan, self.bias = plan, bias
         self.compute_dtype = compute_dtype or weight.dtype
-        if few_rows and not (weight.is_cpu and few_rows_product_available(self.compute_dtype)):
+        if plan.few_rows and not (weight.is_cpu and few_rows_product_available(self.compute_dtype)):
             raise ValueError(f"the few-rows product does not run here for {self.compute_dtype}")
         self.weight = weight.to(self.compute_dtype).contiguous()
-        self.few_rows = few_rows
-        packed = path is GemmPath.ONEDNN_PACKED
+        packed = GemmPath.ONEDNN_PACKED in plan.paths
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight) if packed else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
-        if x.shape[0] <= self.few_rows and out_dtype in FEW_ROWS_DTYPES:
+        rows = x.shape[0]
+        if rows <= self.plan.few_rows and out_dtype in FEW_ROWS_DTYPES:
             return cpu_ops.linear_few_rows(x, self.weight, self.bias, out_dtype)
+        path = self.plan.path_for(rows)
         if x.dtype == self.compute_dtype == out_dtype and (self.bias is None or self.bias.dtype == out_dtype):
-            return self._product(x, self.bias)
-        y = self._product(x.to(self.compute_dtype), None).to(out_dtype)
+            return self._product(path, x, self.bias)
+        y = self._product(path, x.to(self.compute_dtype), None).to(out_dtype)
         return y if self.bias is None else y.add_(self.bias)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.path is GemmPath.ONEDNN_PACKED:
+    def _product(self, path: GemmPath, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if path is GemmPath.ONEDNN_PACKED:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
@@ -160,7 +211,7 @@ def supported_paths(device: torch.device, dtype: torch.dtype) -> list[GemmPath]:
     expected = F.linear(x.float(), w.float())
     for path in candidates:
         try:
-            got = PackedWeight(path, w, None)(x).float()
+            got = PackedWeight(GemmPlan.single(path), w, None)(x).float()
         except RuntimeError:  # not compiled for this CPU or dtype
             continue
         if torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
@@ -196,21 +247,24 @@ class GemmTiming:
     def gflops_at(self, path: GemmPath, rows: int) -> float:
         return self.flops[rows] / self.seconds[path][rows] / 1e9
 
-    def fastest(self) -> GemmPath:
-        """The path with the lowest geometric mean of its time relative to ``torch`` over the row counts,
-        among those no slower than ``torch`` at any row count (beyond ``NOISE``, the spread of two timings of
-        one path): never a path slower than torch's default."""
-        reference = self.seconds[GemmPath.TORCH]
-
-        def relative(path: GemmPath) -> float:
-            return statistics.geometric_mean(self.seconds[path][rows] / reference[rows] for rows in reference)
-
-        eligible = [
-            path
-            for path in self.seconds
-            if all(self.seconds[path][rows] <= reference[rows] * (1 + NOISE) for rows in reference)
-        ]
-        return min(eligible, key=relative)
+    def plan(self) -> GemmPlan:
+        """A band per row count timed, each with the path fastest there, bounded halfway (geometrically) to the
+        next count: so no band runs slower than ``torch`` where it was timed. A band keeps the path of the band
+        below when that path is within ``NOISE`` (the spread of two timings of one path) of the fastest, so
+        paths level with each other do not split the plan on noise."""
+        counts = sorted(self.seconds[GemmPath.TORCH])
+        bands: list[tuple[int | None, GemmPath]] = []
+        for i, rows in enumerate(counts):
+            time_at = {path: by_rows[rows] for path, by_rows in self.seconds.items()}
+            path = min(time_at, key=time_at.__getitem__)
+            if bands and time_at[bands[-1][1]] <= time_at[path] * (1 + NOISE):
+                path = bands[-1][1]
+            bound = None if i == len(counts) - 1 else round(math.sqrt(rows * counts[i + 1]))
+            if bands and bands[-1][1] is path:
+                bands[-1] = (bound, path)
+            else:
+                bands.append((bound, path))
+        return GemmPlan(tuple(bands))
 
 
 def time_paths(
@@ -234,7 +288,7 @@ def time_paths(
         }
         for m in rows
     }
-    prepared = {path: [PackedWeight(path, w, None) for w in weights] for path in paths}
+    prepared = {path: [PackedWeight(GemmPlan.single(path), w, None) for w in weights] for path in paths}
     best = {(path, m, i): float("inf") for path in paths for m in rows for i in range(len(shapes))}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -307,7 +361,7 @@ def time_few_rows(
             torch.empty(shape.out_features, shape.in_features, dtype=dtype).uniform_(-0.05, 0.05, generator=generator)
             for _ in range(copies)
         ]
-        groups.append((shape, [PackedWeight(path, w, None) for w in weights]))
+        groups.append((shape, [PackedWeight(GemmPlan.single(path), w, None) for w in weights]))
     inputs = {
         (m, shape): torch.randn(shape.rows(m), shape.in_features, generator=generator).to(dtype)
         for m in rows

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagewise import kernels
 from pagewise.engine.model_config import ModelArchConfig
-from pagewise.kernels.gemm import GemmPath, PackedWeight
+from pagewise.kernels.gemm import GemmPath, GemmPlan, PackedWeight
 from pagewise.kernels.lora import LoraBatch
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class AttentionMetadata:
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs on a chosen matmul path (``pagewise.kernels.gemm``), in a chosen dtype:
-    ``torch`` in the weight's dtype until ``use_gemm_path``, which prepares the weight as it is then — so it is
+    ``torch`` in the weight's dtype until ``use_gemm_plan``, which prepares the weight as it is then — so it is
     called once the weights are loaded and on their device, and the weight is not changed afterwards. A
     projection adapters may target carries their slot stacks (``lora_a``, ``lora_b``: see ``LoraProjection``)."""
 
@@ -52,12 +52,12 @@ class Linear(nn.Linear):
         self.lora_b: torch.Tensor | None = None
         self.lora_column_bounds: torch.Tensor | None = None
 
-    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None, few_rows: int = 0) -> None:
-        """Run on ``path``, with weight and inputs in ``compute_dtype`` (default: the weight's), products of at
-        most ``few_rows`` rows through the few-rows product (``PackedWeight``)."""
+    def use_gemm_plan(self, plan: GemmPlan, compute_dtype: torch.dtype | None = None) -> None:
+        """Run each product as ``plan`` says for its row count, with weight and inputs in ``compute_dtype``
+        (default: the weight's; see ``PackedWeight``)."""
         bias = None if self.bias is None else self.bias.detach()
-        plain = path is GemmPath.TORCH and compute_dtype in (None, self.weight.dtype) and not few_rows
-        self._gemm = None if plain else PackedWeight(path, self.weight.detach(), bias, compute_dtype, few_rows)
+        plain = plan == GemmPlan.single(GemmPath.TORCH) and compute_dtype in (None, self.weight.dtype)
+        self._gemm = None if plain else PackedWeight(plan, self.weight.detach(), bias, compute_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -297,12 +297,12 @@ class LlamaForCausalLM(nn.Module):
             ]
         return projections
 
-    def use_gemm_path(self, path: GemmPath, compute_dtype: torch.dtype | None = None, few_rows: int = 0) -> None:
-        """Run every projection, the LM head included, on ``path`` in ``compute_dtype`` (see
-        ``Linear.use_gemm_path``)."""
+    def use_gemm_plan(self, plan: GemmPlan, compute_dtype: torch.dtype | None = None) -> None:
+        """Run every projection, the LM head included, as ``plan`` says in ``compute_dtype`` (see
+        ``Linear.use_gemm_plan``)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_gemm_path(path, compute_dtype, few_rows)
+                module.use_gemm_plan(plan, compute_dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,5 +1,6 @@
-"""The engine's matmul path: forced names are checked, ``auto`` times this machine once per CPU kind and
-model shape and reuses the timing, and a broken cache entry only costs a new timing."""
+"""The engine's matmul plan: forced names are checked, ``auto`` times this machine once per CPU kind and
+model shape and reuses the timing, a cached plan reaches every projection, and a broken cache entry only costs a
+new timing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pagewise.engine.gemm_selection import FEW_ROWS_TIMED, select_gemm_path, wei
 from pagewise.engine.llm_engine import LLMEngine
 from pagewise.engine.model_config import ModelArchConfig
 from pagewise.engine.models.llama import Linear
-from pagewise.kernels.gemm import GemmPath, WeightShape, few_rows_product_available, supported_paths
+from pagewise.kernels.gemm import GemmPath, GemmPlan, WeightShape, few_rows_product_available, supported_paths
 
 CPU = torch.device("cpu")
 FEW_ROWS_AVAILABLE = few_rows_product_available(torch.float32)
@@ -57,7 +58,7 @@ def test_an_unknown_path_is_a_config_error() -> None:
 @pytest.mark.parametrize("path", supported_paths(CPU, torch.float32))
 def test_a_named_path_is_used_as_given(tmp_path, path: GemmPath) -> None:
     selection = select_gemm_path(path.value, arch(), CPU, torch.float32, tmp_path)
-    assert (selection.path, selection.source, selection.few_rows) == (path, "forced", 0)
+    assert (selection.plan, selection.source) == (GemmPlan.single(path), "forced")
     assert not (tmp_path / "gemm").exists()
 
 
@@ -68,23 +69,19 @@ def test_a_named_path_this_device_cannot_run_is_refused(tmp_path) -> None:
 
 def test_auto_on_cuda_is_torch_without_timing(tmp_path) -> None:
     selection = select_gemm_path("auto", arch(), torch.device("cuda"), torch.float32, tmp_path)
-    assert (selection.path, selection.source) == (GemmPath.TORCH, "device")
+    assert (selection.plan, selection.source) == (GemmPlan.single(GemmPath.TORCH), "device")
 
 
 def test_auto_times_once_then_reuses_the_timing(tmp_path) -> None:
     first = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     assert first.source == "measured"
     assert set(first.gflops) == {p.value for p in supported_paths(CPU, torch.float32)}
-    assert first.few_rows in (0, *FEW_ROWS_TIMED) and (first.few_rows == 0 or FEW_ROWS_AVAILABLE)
+    few_rows = first.plan.few_rows
+    assert few_rows in (0, *FEW_ROWS_TIMED) and (few_rows == 0 or FEW_ROWS_AVAILABLE)
     entries = list((tmp_path / "gemm").iterdir())
-    assert len(entries) == 1 and json.loads(entries[0].read_text())["chosen"] == first.path.value
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["bands"] == first.plan.as_json()
     again = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
-    assert (again.path, again.source, again.gflops, again.few_rows) == (
-        first.path,
-        "cached",
-        first.gflops,
-        first.few_rows,
-    )
+    assert (again.plan, again.source, again.gflops) == (first.plan, "cached", first.gflops)
 
 
 def test_other_shapes_or_dtype_are_timed_anew(tmp_path) -> None:
@@ -94,28 +91,32 @@ def test_other_shapes_or_dtype_are_timed_anew(tmp_path) -> None:
 
 
 def test_a_cached_choice_is_what_the_entry_says(tmp_path) -> None:
-    """The engine runs the cached path (here written by hand as torch) without timing again."""
+    """The engine runs the cached plan (here written by hand) without timing again."""
     select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
     (entry,) = (tmp_path / "gemm").iterdir()
-    entry.write_text(json.dumps({"chosen": "torch", "candidates_gflops": {"torch": 1.0}, "few_rows": 3}))
+    bands = [[16, "onednn-packed"], [None, "torch"]]
+    entry.write_text(json.dumps({"bands": bands, "candidates_gflops": {"torch": 1.0}, "few_rows": 3}))
     selection = select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path)
-    assert (selection.path, selection.source, selection.gflops) == (GemmPath.TORCH, "cached", {"torch": 1.0})
-    assert selection.few_rows == 3 and selection.describe()["few_rows"] == 3
+    assert (selection.source, selection.gflops) == ("cached", {"torch": 1.0})
+    assert selection.plan == GemmPlan(((16, GemmPath.ONEDNN_PACKED), (None, GemmPath.TORCH)), few_rows=3)
 
 
 @pytest.mark.skipif(not FEW_ROWS_AVAILABLE, reason="needs the compiled kernels and AVX2 with FMA")
-def test_the_engine_runs_its_projections_with_the_selected_few_rows_limit(tmp_path, tiny_model) -> None:
-    """A cached limit (written by hand over the engine's own measurement) reaches every projection, and the
+def test_the_engine_runs_its_projections_with_the_selected_plan(tmp_path, tiny_model) -> None:
+    """A cached plan (written by hand over the engine's own measurement) reaches every projection, and the
     engine reports it."""
     path, _ = tiny_model("llama-tiny")
     config = EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path))
     assert LLMEngine(config).gemm.source == "measured"
     (entry,) = (tmp_path / "gemm").iterdir()
-    entry.write_text(json.dumps({"chosen": "onednn-packed", "candidates_gflops": {}, "few_rows": 5}))
+    bands = [[64, "onednn-packed"], [None, "torch"]]
+    entry.write_text(json.dumps({"bands": bands, "candidates_gflops": {}, "few_rows": 5}))
     engine = LLMEngine(config)
-    assert (engine.gemm.source, engine.gemm.few_rows, engine.stats()["gemm_few_rows"]) == ("cached", 5, 5)
+    stats = engine.stats()
+    assert (engine.gemm.source, stats["gemm_few_rows"]) == ("cached", 5)
+    assert stats["gemm_path"] == "onednn-packed up to 64 rows, torch above"
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m._gemm.few_rows == 5 for m in linears)
+    assert linears and all(m._gemm.plan == engine.gemm.plan for m in linears)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +125,8 @@ def test_the_engine_runs_its_projections_with_the_selected_few_rows_limit(tmp_pa
         "{not json",
         '{"chosen": "gpu-magic", "candidates_gflops": {}, "few_rows": 0}',
         '{"chosen": "torch", "candidates_gflops": {}}',  # written before the few-rows limit was measured
+        '{"chosen": "torch", "candidates_gflops": {}, "few_rows": 0}',  # before the plan had bands
+        '{"bands": [[16, "torch"]], "candidates_gflops": {}, "few_rows": 0}',
         "[]",
     ],
 )
@@ -132,4 +135,4 @@ def test_a_broken_cache_entry_is_timed_again(tmp_path, content: str) -> None:
     (entry,) = (tmp_path / "gemm").iterdir()
     entry.write_text(content)
     assert select_gemm_path("auto", arch(), CPU, torch.float32, tmp_path).source == "measured"
-    assert json.loads(entry.read_text())["chosen"] in {p.value for p in GemmPath}
+    assert {path for _, path in json.loads(entry.read_text())["bands"]} <= {p.value for p in GemmPath}

@@ -1,5 +1,6 @@
-"""The matmul paths equal the torch reference within fp32 rounding on random inputs, and the timing's choice
-never takes a path that was slower than torch's default anywhere."""
+"""The matmul paths equal the torch reference within fp32 rounding on random inputs, a plan sends each product
+to the path of its rows' band, and the timing's plan never runs a band on a path that was slower than another
+where it was timed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagewise.kernels import cpu_ops
 from pagewise.kernels.gemm import (
     FewRowsTiming,
     GemmPath,
+    GemmPlan,
     GemmTiming,
     PackedWeight,
     WeightShape,
@@ -36,7 +38,7 @@ def test_path_equals_reference(path: GemmPath, rows: int, with_bias: bool) -> No
     weight = torch.randn(96, 80, generator=generator)
     bias = torch.randn(96, generator=generator) if with_bias else None
     x = torch.randn(rows, 80, generator=generator)
-    got = PackedWeight(path, weight, bias)(x)
+    got = PackedWeight(GemmPlan.single(path), weight, bias)(x)
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
@@ -47,7 +49,7 @@ def test_bf16_path_equals_reference_within_bf16_rounding(path: GemmPath) -> None
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 128, generator=generator).bfloat16()
     x = torch.randn(7, 128, generator=generator).bfloat16()
-    got = PackedWeight(path, weight, None)(x)
+    got = PackedWeight(GemmPlan.single(path), weight, None)(x)
     expected = F.linear(x.double(), weight.double())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=5e-2)
@@ -61,7 +63,7 @@ def test_an_fp32_weight_computed_in_bf16_is_the_product_of_the_rounded_operands(
     generator = torch.Generator().manual_seed(1)
     weight, x = torch.randn(96, 256, generator=generator), torch.randn(5, 256, generator=generator)
     bias = torch.randn(96, generator=generator) if with_bias else None
-    got = PackedWeight(path, weight, bias, torch.bfloat16)(x)
+    got = PackedWeight(GemmPlan.single(path), weight, bias, torch.bfloat16)(x)
     expected = F.linear(x.bfloat16().double(), weight.bfloat16().double())
     if bias is not None:
         expected += bias.double()
@@ -71,22 +73,71 @@ def test_an_fp32_weight_computed_in_bf16_is_the_product_of_the_rounded_operands(
     assert far_from_fp32 > 1e-4  # it did round the operands: this is not the fp32 product
 
 
+TORCH, ONEDNN = GemmPath.TORCH, GemmPath.ONEDNN_PACKED
+
+
 def timing(torch_s: dict[int, float], other_s: dict[int, float]) -> GemmTiming:
-    return GemmTiming({GemmPath.TORCH: torch_s, GemmPath.ONEDNN_PACKED: other_s}, {4: 100, 512: 10_000})
+    return GemmTiming({TORCH: torch_s, ONEDNN: other_s}, {rows: 25 * rows for rows in torch_s})
 
 
-def test_fastest_takes_a_path_faster_everywhere() -> None:
-    assert timing({4: 1.0, 512: 10.0}, {4: 0.3, 512: 9.0}).fastest() is GemmPath.ONEDNN_PACKED
+def test_the_plan_takes_one_path_faster_everywhere_for_every_row_count() -> None:
+    plan = timing({4: 1.0, 512: 10.0}, {4: 0.3, 512: 9.0}).plan()
+    assert plan == GemmPlan.single(ONEDNN) and plan.describe() == "onednn-packed"
 
 
-def test_fastest_never_takes_a_path_slower_than_torch_at_any_row_count() -> None:
-    # far faster on decode-sized steps, but 20% slower on prefill chunks: torch stays
-    assert timing({4: 1.0, 512: 10.0}, {4: 0.1, 512: 12.0}).fastest() is GemmPath.TORCH
+def test_the_plan_runs_each_band_on_the_path_fastest_there() -> None:
+    # far faster on decode-sized steps, 20% slower on prefill chunks: oneDNN up to halfway (geometrically), torch
+    # above — never a path slower than torch where they were timed
+    plan = timing({4: 1.0, 64: 4.0, 512: 10.0}, {4: 0.1, 64: 2.0, 512: 12.0}).plan()
+    assert plan.bands == ((181, ONEDNN), (None, TORCH))
+    assert [plan.path_for(rows) for rows in (1, 64, 181, 182, 4096)] == [ONEDNN, ONEDNN, ONEDNN, TORCH, TORCH]
+    assert plan.describe() == "onednn-packed up to 181 rows, torch above"
+    assert timing({4: 1.0, 512: 10.0}, {4: 1.2, 512: 9.0}).plan().bands == ((45, TORCH), (None, ONEDNN))
 
 
-def test_fastest_keeps_torch_when_no_path_is_faster() -> None:
-    assert timing({4: 1.0, 512: 10.0}, {4: 1.2, 512: 11.0}).fastest() is GemmPath.TORCH
-    assert GemmTiming({GemmPath.TORCH: {4: 1.0}}, {4: 100}).fastest() is GemmPath.TORCH
+def test_the_plan_does_not_split_on_paths_level_within_noise() -> None:
+    # 2% apart at 512 rows, within NOISE: the band below's path goes on
+    assert timing({4: 1.0, 512: 9.8}, {4: 0.5, 512: 10.0}).plan() == GemmPlan.single(ONEDNN)
+    assert timing({4: 1.0, 512: 10.0}, {4: 1.2, 512: 11.0}).plan() == GemmPlan.single(TORCH)
+    assert GemmTiming({TORCH: {4: 1.0}}, {4: 100}).plan() == GemmPlan.single(TORCH)
+
+
+@pytest.mark.parametrize(
+    "bands",
+    [
+        (),
+        ((16, TORCH),),
+        ((None, TORCH), (None, ONEDNN)),
+        ((64, TORCH), (16, ONEDNN), (None, TORCH)),
+        ((16, TORCH), (None, TORCH)),
+    ],
+)
+def test_a_plan_without_increasing_bounds_ending_open_is_refused(bands) -> None:
+    with pytest.raises(ValueError, match="bands must"):
+        GemmPlan(bands)
+
+
+def test_a_plan_round_trips_through_json_and_refuses_what_it_did_not_write() -> None:
+    plan = GemmPlan(((16, ONEDNN), (None, TORCH)), few_rows=4)
+    assert GemmPlan.from_json(plan.as_json(), 4) == plan
+    with pytest.raises(ValueError):
+        GemmPlan.from_json([[None, "gpu-magic"]], 0)
+    with pytest.raises(TypeError):
+        GemmPlan.from_json([["16", "torch"], [None, "torch"]], 0)
+    with pytest.raises(ValueError, match="few_rows"):
+        GemmPlan.single(TORCH, few_rows=-1)
+
+
+@pytest.mark.skipif(ONEDNN not in CPU_PATHS, reason="this torch build has no oneDNN")
+def test_a_packed_weight_runs_each_product_on_its_bands_path() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(96, 80, generator=generator), torch.randn(96, generator=generator)
+    banded = PackedWeight(GemmPlan(((8, TORCH), (None, ONEDNN))), weight, bias)
+    by_path = {path: PackedWeight(GemmPlan.single(path), weight, bias) for path in (TORCH, ONEDNN)}
+    for rows in (3, 8, 9, 40):
+        x = torch.randn(rows, 80, generator=generator)
+        expected = by_path[TORCH if rows <= 8 else ONEDNN](x)
+        assert torch.equal(banded(x), expected)
 
 
 def test_time_paths_reports_every_path_and_row_count() -> None:
@@ -96,7 +147,7 @@ def test_time_paths_reports_every_path_and_row_count() -> None:
     assert all(set(by_rows) == {1, 8} and min(by_rows.values()) > 0 for by_rows in result.seconds.values())
     # the second shape runs on at most 4 rows
     assert result.flops == {1: 2 * (64 * 32 * 2 + 32 * 64), 8: 2 * (8 * 64 * 32 * 2 + 4 * 32 * 64)}
-    assert result.fastest() in CPU_PATHS and result.gflops(GemmPath.TORCH) > 0
+    assert result.plan().paths <= set(CPU_PATHS) and result.gflops(GemmPath.TORCH) > 0
 
 
 FEW_ROWS_DTYPES = [
@@ -145,8 +196,8 @@ def test_the_few_rows_product_refuses_what_it_does_not_take() -> None:
 def test_a_packed_weight_takes_the_few_rows_product_up_to_its_row_limit(path, dtype) -> None:
     generator = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(130, 96, generator=generator), torch.randn(130, generator=generator)
-    packed = PackedWeight(path, weight, bias, dtype, few_rows=5)
-    plain = PackedWeight(path, weight, bias, dtype)
+    packed = PackedWeight(GemmPlan.single(path, few_rows=5), weight, bias, dtype)
+    plain = PackedWeight(GemmPlan.single(path), weight, bias, dtype)
     for rows in (1, 5, 6):
         x = torch.randn(rows, 96, generator=generator)
         few = cpu_ops.linear_few_rows(x, packed.weight, bias, torch.float32)
@@ -158,7 +209,7 @@ def test_a_packed_weight_takes_the_few_rows_product_up_to_its_row_limit(path, dt
 def test_a_few_rows_limit_where_the_product_does_not_run_is_refused() -> None:
     missing = [dtype for dtype in (torch.float16, torch.bfloat16) if not few_rows_product_available(dtype)]
     with pytest.raises(ValueError, match="does not run here"):
-        PackedWeight(GemmPath.TORCH, torch.randn(4, 8), None, missing[0], few_rows=4)
+        PackedWeight(GemmPlan.single(GemmPath.TORCH, few_rows=4), torch.randn(4, 8), None, missing[0])
 
 
 def few_rows_timing(path_s: dict[int, float], few_s: dict[int, float]) -> FewRowsTiming:
