@@ -43,11 +43,14 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     """Causal attention of ``q`` queries placed at the end of a ``k``-token context.
 
     query ``[q, num_heads, d]``; key/value ``[num_kv_heads, k, d]``; the i-th query sees keys ``0..k-q+i``.
-    Computed in fp32; the result has the query's dtype.
+    Computed in bf16 over a bf16 cache (the query rounded to it, as the decode kernels round theirs; the flash
+    kernel keeps its scores, softmax and sums in fp32), in fp32 otherwise; the result has the query's dtype.
+    On a CPU with bf16 dot products the bf16 product is several times the fp32 one's speed.
     """
     q_len, k_len = query.shape[0], key.shape[1]
-    q = query.float().transpose(0, 1)[None]  # [1, h, q, d]
-    k, v = key.float()[None], value.float()[None]
+    dtype = torch.bfloat16 if key.dtype == torch.bfloat16 else torch.float32
+    q = query.to(dtype).transpose(0, 1)[None]  # [1, h, q, d]
+    k, v = key.to(dtype)[None], value.to(dtype)[None]
     mask = None
     if q_len > 1 and q_len != k_len:
         q_pos = torch.arange(k_len - q_len, k_len, device=query.device)
