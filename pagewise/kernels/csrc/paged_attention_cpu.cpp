@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -613,17 +614,24 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
-    // Every (sequence, kv head) unit through `attend` (a unit function: they share one signature) over the thread
-    // pool, each thread with a scores buffer of `scores_size` floats and a scratch one of `scratch_size`.
+    // Every (sequence, kv head) unit through `attend` (a unit function: they share one signature) on each thread
+    // of the pool, each thread with a scores buffer of `scores_size` floats and a scratch one of `scratch_size`.
+    // The threads take sequences (all their kv heads, whose rows lie side by side in each block) one at a time
+    // from a shared counter rather than a fixed share each: a sequence's cost is its length, which differs from
+    // one to the next, and a thread the OS takes away for a while (another process woke on its core) leaves its
+    // sequences to the others instead of holding them all up.
     auto attend_units = [&](auto attend, const auto* k_ptr, const auto* v_ptr, int64_t scores_size,
                             int64_t scratch_size) {
-        at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::atomic<int64_t> next{0};
+        at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
             std::vector<float> scores(scores_size), scratch(scratch_size);
-            for (int64_t unit = begin; unit < end; ++unit) {
-                const int64_t s = unit / num_kv_heads, h = unit % num_kv_heads;
-                const int64_t row = (s * num_heads + h * group) * head_dim;
-                attend(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads, block_size,
-                       head_dim, group, static_cast<float>(scale), scores.data(), scratch.data(), out_ptr + row);
+            for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
+                for (int64_t h = 0; h < num_kv_heads; ++h) {
+                    const int64_t row = (s * num_heads + h * group) * head_dim;
+                    attend(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
+                           block_size, head_dim, group, static_cast<float>(scale), scores.data(), scratch.data(),
+                           out_ptr + row);
+                }
             }
         });
     };
