@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class PlatformServices:
     metrics: PlatformMetrics
     auth_failures: FailedAuthThrottle = field(default_factory=FailedAuthThrottle)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    batch_created: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when this process creates a batch: wakes the idle batch runner (`batches/runner.py`)."""
 
     @property
     def sessionmaker(self) -> async_sessionmaker[AsyncSession]:

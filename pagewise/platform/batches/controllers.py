@@ -38,6 +38,7 @@ class BatchController(Controller):
         """A batch of the file's requests; every line is checked first (a 400 names the first bad one)."""
         body = parse_body(data, BatchCreate)
         batch = await create_batch(db_session, storage(services), services.engine, request.user, body)
+        services.batch_created.set()
         return await batch_out(db_session, batch)
 
     @get("/")
