@@ -483,6 +483,15 @@ def _draws(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> l
     return [r.token_id for r in sampler(logits, requests)]
 
 
+def test_a_greedy_row_takes_the_first_of_tied_maxima() -> None:
+    """Greedy rows take the lowest id among equal top logits (torch's argmax rule), wherever the ties sit."""
+    logits = torch.zeros(3, 4096)
+    logits[0, [7, 3000]] = 2.0
+    logits[1, [4095, 100, 2048]] = 1.5
+    logits[2] = -1.0  # the whole row tied
+    assert _draws(_sampler(), logits, [_request(SamplingParams(temperature=0))] * 3) == [7, 100, 0]
+
+
 PROBS = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
 
 

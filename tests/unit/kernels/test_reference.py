@@ -119,3 +119,21 @@ def test_copy_and_swap_blocks() -> None:
     reference.swap_blocks(caches[0], dst, torch.tensor([[2, 0], [4, 2]]))
     assert torch.equal(dst[0], caches[0][2]) and torch.equal(dst[2], caches[0][4])
     assert not dst[1].any()
+
+
+def test_prefill_over_a_bf16_cache_runs_in_bf16(paged_batch) -> None:
+    """Prefill rows over a bf16 cache: attention of the query rounded to bf16 over the bf16 rows (the flash
+    kernel's fp32 scores and sums), within bf16 rounding of the dense attention of those rounded operands — and
+    not the fp32 computation (it did run in bf16)."""
+    batch = paged_batch(*CASES["mixed_gqa"], seed=5)
+    caches = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+    out = batch.attend(reference.paged_attention, *caches)
+    fp32 = batch.attend(reference.paged_attention, *(cache.float() for cache in caches))
+    starts = batch.query_start_loc.tolist()
+    prefill = [s for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > 1]
+    assert prefill
+    for s in prefill:
+        rows = slice(starts[s], starts[s + 1])
+        rounded = [t.bfloat16().float() for t in (batch.queries_of(s), batch.keys[s], batch.values[s])]
+        assert rel_err(out[rows], dense_causal_attention(*rounded, batch.scale)) <= 2e-2, f"sequence {s}"
+        assert (out[rows] - fp32[rows]).abs().max() > 1e-4, f"sequence {s} ran in fp32"
