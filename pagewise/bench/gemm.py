@@ -27,13 +27,12 @@ _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16
 
 def run(args: argparse.Namespace) -> int:
     from pagewise.engine.config import EngineConfig
-    from pagewise.engine.gemm_selection import FEW_ROWS_TIMED, TIMED_ROWS, select_gemm_path, weight_shapes
+    from pagewise.engine.gemm_selection import TIMED_ROWS, select_gemm_path, time_few_rows_against, weight_shapes
     from pagewise.engine.loader import cache_root, load_model
     from pagewise.kernels.gemm import (
         cpu_signature,
         few_rows_product_available,
         supported_paths,
-        time_few_rows,
         time_paths,
     )
 
@@ -45,9 +44,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"timing {', '.join(paths)} on {args.model}'s projections ({dtype})", flush=True)
     timing = time_paths(paths, weight_shapes(arch), TIMED_ROWS, matmul)
     fastest = timing.plan()
-    few_path = fastest.path_for(FEW_ROWS_TIMED[-1])
     available = few_rows_product_available(matmul)
-    few = time_few_rows(few_path, weight_shapes(arch), FEW_ROWS_TIMED, matmul) if available else None
+    few = time_few_rows_against(fastest, weight_shapes(arch), matmul) if available else None
     chosen = select_gemm_path("auto", arch, device, matmul, cache_root(None))
     name, _, flags = cpu_signature().partition(" | ")
     result: dict[str, Any] = {
@@ -81,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'all':>6} " + " ".join(f"{timing.gflops(p):>14.1f}" for p in paths))
     print(f"fastest now: {result['fastest']}; the engine runs: {result['chosen']} ({result['chosen_source']})")
     if few is not None:
-        print(f"few rows, weights from memory ({few_path.value} vs the few-rows product):")
+        print("few rows, weights from memory (the smallest rows' path vs the few-rows product):")
         for m, rates in few.gflops().items():
             print(f"{m:>6} {rates['path']:>14.1f} {rates['few-rows']:>14.1f}")
         print(f"the few-rows product pays up to {few.limit()} rows now; the engine's limit: {chosen.plan.few_rows}")

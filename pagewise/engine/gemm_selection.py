@@ -30,6 +30,7 @@ import torch
 from pagewise.engine.errors import InvalidConfigError
 from pagewise.engine.model_config import ModelArchConfig
 from pagewise.kernels.gemm import (
+    FewRowsTiming,
     GemmPath,
     GemmPlan,
     WeightShape,
@@ -98,12 +99,16 @@ def select_gemm_path(
         return GemmSelection(cached[0], "cached", cached[1])
     timing = time_paths(supported, shapes, TIMED_ROWS, dtype)
     plan = timing.plan()
-    if few_rows_product_available(dtype):  # timed against the path its row counts would otherwise run on
-        few = time_few_rows(plan.path_for(FEW_ROWS_TIMED[-1]), shapes, FEW_ROWS_TIMED, dtype)
-        plan = GemmPlan(plan.bands, few.limit())
+    if few_rows_product_available(dtype):
+        plan = GemmPlan(plan.bands, time_few_rows_against(plan, shapes, dtype).limit())
     selection = GemmSelection(plan, "measured", {p.value: round(timing.gflops(p), 2) for p in supported})
     _write(entry, {"bands": plan.as_json(), "candidates_gflops": selection.gflops, "few_rows": plan.few_rows})
     return selection
+
+
+def time_few_rows_against(plan: GemmPlan, shapes: list[WeightShape], dtype: torch.dtype) -> FewRowsTiming:
+    """The few-rows product timed at ``FEW_ROWS_TIMED`` rows against the path ``plan`` runs those rows on."""
+    return time_few_rows(plan.path_for(FEW_ROWS_TIMED[-1]), shapes, FEW_ROWS_TIMED, dtype)
 
 
 def _cache_key(paths: list[GemmPath], shapes: list[WeightShape], dtype: torch.dtype) -> str:

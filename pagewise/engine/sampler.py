@@ -50,7 +50,8 @@ class Sampler:
                     logits[row] = self._adjust(logits[row : row + 1], [request])[0]
                 except Exception as error:  # noqa: BLE001 - this row fails alone
                     results[row] = error
-        # max's indices are argmax's (the first of tied maxima), at a third of its time on a [64, 49152] CPU batch
+        # max's indices are argmax's (the first of tied maxima), in a third of its time on a [64, 49152] batch (2
+        # threads of an AMX Xeon: 0.9 vs 2.4 ms)
         greedy = logits.max(dim=-1).indices.tolist()
         sampled = [row for row, r in enumerate(requests) if results[row] is None and not r.params.greedy]
         drawn = dict(zip(sampled, self._sample(logits, requests, sampled), strict=True))

@@ -80,7 +80,10 @@ class GemmPlan:
         return frozenset(path for _, path in self.bands)
 
     def path_for(self, rows: int) -> GemmPath:
-        return next(path for bound, path in self.bands if bound is None or rows <= bound)
+        for bound, path in self.bands:  # a plain loop: this runs for every product of a step
+            if bound is None or rows <= bound:
+                return path
+        raise AssertionError("the last band has no bound")
 
     def describe(self) -> str:
         """The path's name for a one-band plan; else e.g. ``onednn-packed up to 181 rows, torch above``."""

@@ -68,6 +68,7 @@ async def keep_running_batches(
     loop = asyncio.get_running_loop()
     busy_until = 0.0
     while True:
+        services.batch_created.clear()  # before the tick: a batch created during it ends the idle wait at once
         try:
             busy = await run_batches_once(services)
         except Exception:
@@ -76,7 +77,6 @@ async def keep_running_batches(
         if busy or loop.time() < busy_until:
             await asyncio.sleep(tick_s)
             continue
-        services.batch_created.clear()
         with suppress(TimeoutError):
             await asyncio.wait_for(services.batch_created.wait(), idle_tick_s)
             busy_until = loop.time() + WAKE_GRACE_S
