@@ -20,7 +20,8 @@ Idle, the runner looks for open batches only every `IDLE_TICK_S` (a batch anothe
 long at most for this one; its own runner takes it at once), and at once when this process creates one
 (`PlatformServices.batch_created`, then `TICK_S` ticks for `WAKE_GRACE_S`, however the creating transaction's
 commit and the wake-up are ordered). Each tick is a few database round trips, and an idle server ticking four
-times a second took the cores from an engine beside it often enough to slow it by 7% (docs/benchmarks.md).
+times a second took the cores from an engine beside it often enough to slow it by 7% (a 2-core AMX Xeon,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
