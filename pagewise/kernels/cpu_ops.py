@@ -5,9 +5,10 @@ The ops keep ``reference``'s contracts (``rotary_embedding`` rotates its inputs 
 ``available()`` loads the library built by ``python -m pagewise.kernels.cpu_build``; if it is missing or fails to
 load, it warns once and answers False, and the CPU path runs the torch reference instead. The compiled ops take
 float32 activations (and bf16 where an op says so) and float32 or bfloat16 caches; ``paged_attention`` runs decode
-rows (one query token) through the compiled op and prefill chunks through the reference's per-sequence attention,
-so both paths compute the same function as ``reference.paged_attention`` (to float32 rounding: the compiled op sums
-in a different order).
+rows (one query token) through the compiled op, and prefill chunks through the compiled mixed op over a bf16 cache
+where it runs (``bf16_prefill_compiled``), else through the reference's per-sequence attention, so every path
+computes the same function as ``reference.paged_attention`` (to float32 rounding, or to bf16 over a bf16 cache:
+the compiled ops sum in a different order and round the scaled query to bf16).
 """
 
 from __future__ import annotations
@@ -92,12 +93,17 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """``reference.paged_attention``'s contract, decode rows compiled."""
+    """``reference.paged_attention``'s contract: decode rows compiled, and prefill chunks too over a bf16 cache
+    where ``mixed_attention_runs``."""
     starts = query_start_loc.tolist()
     num_seqs = len(starts) - 1
     if starts[-1] == num_seqs:  # every sequence decodes one token: the common step, no regrouping
         return torch.ops.pagewise_cpu.paged_attention_decode(
             query, key_cache, value_cache, block_tables, seq_lens, scale
+        )
+    if mixed_attention_runs(query, key_cache):
+        return torch.ops.pagewise_cpu.paged_attention_mixed(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
     return reference.paged_attention(
         query,
@@ -109,6 +115,35 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         scale,
         decode=torch.ops.pagewise_cpu.paged_attention_decode,
     )
+
+
+def mixed_attention_runs(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention_mixed`` takes this step: a float32 query over a bf16 cache, head_dim a multiple
+    of 32 up to 256, at most 8 query heads per kv head, on a CPU where the compiled prefill runs
+    (``bf16_prefill_compiled``)."""
+    head_dim, group = query.shape[-1], query.shape[-2] // key_cache.shape[1]
+    return (
+        key_cache.dtype == torch.bfloat16
+        and query.dtype == torch.float32
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and group <= 8
+        and bf16_prefill_compiled()
+    )
+
+
+@functools.cache
+def bf16_prefill_compiled() -> bool:
+    """Prefill chunks over a bf16 cache run compiled on a CPU with AVX512-BF16 and no AMX, the library loaded.
+
+    Without AMX, torch's flash attention multiplies its small bf16 blocks at a fraction of the CPU's rate (on Zen 4:
+    18-27 GFLOP/s on 8 prompts of 128-512 tokens, against 48-59 for the compiled op: ``docs/benchmarks.md``). With
+    AMX it multiplies on AMX tiles, which the compiled op (written for ``vdpbf16ps``) does not use, and it stays.
+    """
+    from pagewise.kernels.gemm import cpu_flags  # gemm imports this module
+
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "amx_bf16" not in flags and available()
 
 
 def linear_few_rows(x, weight, bias, out_dtype):

@@ -421,6 +421,170 @@ void attend_unit_bf16_dot(const float* queries, const uint16_t* key_cache, const
         t += run;
     }
 }
+
+// ---- prefill attention over a bf16 cache (AVX512-BF16): a tile of a sequence's new tokens at once
+//
+// A decode row streams the cache once for a handful of query rows, so its cost is memory; a prefill chunk's
+// tokens share their keys, so a tile of them takes each key once for all its query rows and the cost becomes
+// arithmetic. The scores of one query row against sixteen keys are one register: the sixteen key rows are laid
+// out as bf16 pairs per lane (key j's elements 2d and 2d+1 in lane j of register d), so each `vdpbf16ps` takes one
+// pair of the query (broadcast) against one pair of sixteen keys and no horizontal sum is needed. Keys go
+// `PREFILL_KEYS` at a time: every row's scores against them, then each row's softmax over them (the online one:
+// a running peak and total per row, the partial output rescaled when the peak rises), then each row's value sum
+// with its output held in registers, the value rows widened to float32 once for all the tile's rows. A row sees
+// the keys up to its own position only. Numerically this is the decode kernel's function: the query times the
+// scale rounded to bf16, exact bf16 products summed in float32, float32 softmax and value sums (in another order).
+constexpr int64_t PREFILL_TILE = 32;   // query tokens per work unit
+constexpr int64_t PREFILL_ROWS = 8;    // query rows whose scores are computed together (shared key registers)
+constexpr int64_t PREFILL_KEYS = 256;  // keys per pass (a multiple of 16)
+
+// o_r += sum over j < count of p_r[j] * row j of `values` (rows of 16 * C floats) for R rows at once (row r's
+// weights at p + r * p_stride, its output at o + r * 16 * C): each value row is loaded once for the R rows, and
+// the R * C output vectors stay in registers across the rows.
+template <int C, int R>
+PAGEWISE_BF16_DOT inline void accumulate_shared_rows(const float* p, int64_t p_stride, const float* values,
+                                                     int64_t count, float* o) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + (r * C + c) * 16);
+    for (int64_t j = 0; j < count; ++j) {
+        __m512 row[C];
+        for (int c = 0; c < C; ++c) row[c] = _mm512_loadu_ps(values + (j * C + c) * 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512 weight = _mm512_set1_ps(p[r * p_stride + j]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(weight, row[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (r * C + c) * 16, acc[r][c]);
+}
+
+// Per-thread buffers of `prefill_unit_bf16_dot` for tiles of up to `PREFILL_TILE` tokens of `group` query rows.
+struct PrefillScratch {
+    std::vector<uint32_t> queries;  // rows x head_dim / 2: bf16 pairs
+    std::vector<float> peak, total, out;
+    std::vector<float> scores;      // rows x PREFILL_KEYS: then the weights
+    std::vector<uint32_t> keys;     // head_dim / 2 registers of 16 lanes
+    std::vector<float> values;      // PREFILL_KEYS x head_dim
+    PrefillScratch(int64_t group, int64_t head_dim)
+        : queries(PREFILL_TILE * group * head_dim / 2), peak(PREFILL_TILE * group), total(PREFILL_TILE * group),
+          out(PREFILL_TILE * group * head_dim), scores(PREFILL_TILE * group * PREFILL_KEYS), keys(8 * head_dim),
+          values(PREFILL_KEYS * head_dim) {}
+};
+
+// The `tokens` query tokens of one tile (token i's row of query head kv_head * group + g at
+// `query + i * token_stride + g * head_dim`, its output at the same place in `out`) attend over the cache's tokens
+// 0 .. first_pos + i (first_pos: the position of the tile's first token). head_dim a multiple of 32, at most 256.
+PAGEWISE_BF16_DOT
+void prefill_unit_bf16_dot(const float* query, int64_t token_stride, const uint16_t* key_cache,
+                           const uint16_t* value_cache, const int32_t* table, int64_t first_pos, int64_t tokens,
+                           int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                           int64_t group, float scale, PrefillScratch& scratch, float* out) {
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t head_offset = kv_head * block_size * head_dim;
+    const int64_t rows = tokens * group, pairs = head_dim / 2, chunks = head_dim / 16;
+    uint32_t* q = scratch.queries.data();
+    float *peak = scratch.peak.data(), *total = scratch.total.data(), *o = scratch.out.data();
+    float* s = scratch.scores.data();
+    uint32_t* kt = scratch.keys.data();
+    float* v = scratch.values.data();
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = query + (r / group) * token_stride + (r % group) * head_dim;
+        for (int64_t c = 0; c < head_dim; c += 32)
+            _mm512_storeu_si512(q + r * pairs + c / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + c + 16), _mm512_set1_ps(scale)),
+                                                            _mm512_mul_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(scale))));
+        peak[r] = -std::numeric_limits<float>::max();
+        total[r] = 0.f;
+        std::fill(o + r * head_dim, o + (r + 1) * head_dim, 0.f);
+    }
+    const int64_t last = first_pos + tokens - 1;  // the tile's last token sees keys 0 .. last
+    for (int64_t k0 = 0; k0 <= last; k0 += PREFILL_KEYS) {
+        const int64_t kn = std::min(PREFILL_KEYS, last + 1 - k0);
+        // Rows before token k0 - first_pos see none of these keys (a row's position grows with its token).
+        const int64_t first_row = std::max<int64_t>(0, k0 - first_pos) * group;
+        auto seen = [&](int64_t r) { return std::min(kn, first_pos + r / group - k0 + 1); };
+        for (int64_t kb = 0; kb < kn; kb += 16) {
+            const int64_t n = std::min<int64_t>(16, kn - kb);
+            for (int64_t j = 0; j < 16; ++j) {
+                if (j < n) {
+                    const int64_t t = k0 + kb + j;
+                    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(
+                        block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim));
+                    for (int64_t d = 0; d < pairs; ++d) kt[d * 16 + j] = k32[d];
+                    widen_rows(block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim),
+                               head_dim, v + (kb + j) * head_dim);
+                } else {  // lanes past the keys: scores never read
+                    for (int64_t d = 0; d < pairs; ++d) kt[d * 16 + j] = 0;
+                }
+            }
+            // Rows that see none of this block's keys are skipped too.
+            const int64_t from = std::max(first_row, std::max<int64_t>(0, k0 + kb - first_pos) * group);
+            for (int64_t r0 = from; r0 < rows; r0 += PREFILL_ROWS) {
+                __m512 acc[PREFILL_ROWS][2];
+                for (int i = 0; i < PREFILL_ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < pairs; ++d) {
+                    const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + d * 16);
+                    for (int i = 0; i < PREFILL_ROWS; ++i) {  // past the rows: a real row, its scores unused
+                        const int64_t r = std::min(r0 + i, rows - 1);
+                        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + d]));
+                        acc[i][d & 1] = _mm512_dpbf16_ps(acc[i][d & 1], pair, keys);
+                    }
+                }
+                for (int64_t i = 0; i < PREFILL_ROWS && r0 + i < rows; ++i)
+                    _mm512_storeu_ps(s + (r0 + i) * PREFILL_KEYS + kb, _mm512_add_ps(acc[i][0], acc[i][1]));
+            }
+        }
+        for (int64_t r = first_row; r < rows; ++r) {
+            float* row = s + r * PREFILL_KEYS;
+            const int64_t count = seen(r), full = count & ~int64_t{15};
+            const __mmask16 tail = static_cast<__mmask16>((1u << (count - full)) - 1);
+            __m512 peak16 = _mm512_set1_ps(-std::numeric_limits<float>::max());
+            for (int64_t t = 0; t < full; t += 16) peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
+            if (tail) peak16 = _mm512_mask_max_ps(peak16, tail, peak16, _mm512_maskz_loadu_ps(tail, row + full));
+            const float old_peak = peak[r], new_peak = std::max(old_peak, _mm512_reduce_max_ps(peak16));
+            const __m512 peaks = _mm512_set1_ps(new_peak);
+            __m512 sum16 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < kn; t += 16) {  // weights past the row's keys are 0 (rows share value sums)
+                const __mmask16 live = t < full ? __mmask16(0xFFFF) : t == full ? tail : __mmask16(0);
+                const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peaks)));
+                _mm512_storeu_ps(row + t, e);
+                sum16 = _mm512_add_ps(sum16, e);
+            }
+            if (new_peak > old_peak && total[r] > 0.f) {  // rescale what was summed under the old peak
+                const float shrink = std::exp(old_peak - new_peak);
+                total[r] *= shrink;
+                float* out_row = o + r * head_dim;
+                for (int64_t c = 0; c < chunks; ++c)
+                    _mm512_storeu_ps(out_row + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out_row + 16 * c), _mm512_set1_ps(shrink)));
+            }
+            peak[r] = new_peak;
+            total[r] += _mm512_reduce_add_ps(sum16);
+        }
+        const int64_t shared = chunks == 2 ? 8 : chunks == 4 ? 4 : chunks == 8 ? 2 : 1;
+        for (int64_t r = first_row; r < rows; r += shared) {
+            const int64_t m = std::min(shared, rows - r), count = seen(r + m - 1);  // the last row sees the most
+            float* out_rows = o + r * head_dim;
+            const float* weights = s + r * PREFILL_KEYS;
+            if (m < shared || shared == 1) {
+                for (int64_t i = 0; i < m; ++i)
+                    accumulate_rows(weights + i * PREFILL_KEYS, v, count, chunks, out_rows + i * head_dim);
+            } else if (chunks == 2) {
+                accumulate_shared_rows<2, 8>(weights, PREFILL_KEYS, v, count, out_rows);
+            } else if (chunks == 4) {
+                accumulate_shared_rows<4, 4>(weights, PREFILL_KEYS, v, count, out_rows);
+            } else {
+                accumulate_shared_rows<8, 2>(weights, PREFILL_KEYS, v, count, out_rows);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inverse = _mm512_set1_ps(1.f / total[r]);
+        float* dst = out + (r / group) * token_stride + (r % group) * head_dim;
+        for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * head_dim + 16 * c), inverse));
+    }
+}
 #endif
 
 #if defined(__x86_64__)
@@ -658,6 +822,96 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
         attend_units(portable, k_ptr, v_ptr, group * longest, 16 * head_dim);
     }
     return out;
+}
+
+// query [num_tokens, num_heads, head_dim]: sequence s's new tokens are rows query_start_loc[s] ..
+// query_start_loc[s + 1] - 1, at the last positions of its seq_lens[s] cached tokens (written before this call).
+// A step of decodes and prefill chunks together, over a bf16 cache on a CPU with AVX512-BF16: a decoding
+// sequence (one new token) is one unit for the decode kernel (all its kv heads), a prefill chunk is one unit per
+// kv head and tile of `PREFILL_TILE` tokens. The threads take units from a shared counter, costliest first.
+at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, double scale) {
+#if defined(__x86_64__)
+    check_caches(key_cache, value_cache);
+    TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot(),
+                "paged_attention_mixed takes a bf16 cache on a CPU with AVX512-BF16");
+    TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query must be float32 [tokens, heads, dim]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 2-D");
+    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
+    TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1,
+                "query_start_loc must be int32 1-D");
+    const auto q = query.contiguous();
+    const auto tables = block_tables.contiguous();
+    const auto lens = seq_lens.contiguous();
+    const auto starts = query_start_loc.contiguous();
+    const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+    const int64_t num_seqs = lens.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+    TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "query and cache shapes disagree");
+    const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
+    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 256 && group <= 8,
+                "paged_attention_mixed takes head_dim a multiple of 32 up to 256 and up to 8 query heads per kv head");
+    TORCH_CHECK(tables.size(0) == num_seqs && starts.size(0) == num_seqs + 1,
+                "one block table and length per sequence, num_seqs + 1 query starts");
+    const int32_t* len_ptr = lens.data_ptr<int32_t>();
+    const int32_t* start_ptr = starts.data_ptr<int32_t>();
+    TORCH_CHECK(start_ptr[0] == 0 && start_ptr[num_seqs] == num_tokens, "query_start_loc must span the query rows");
+    struct Unit {
+        int64_t seq, kv_head, first, tokens, cost;  // kv_head -1: a decode, all its kv heads
+    };
+    std::vector<Unit> units;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = start_ptr[s + 1] - start_ptr[s], len = len_ptr[s];
+        TORCH_CHECK(q_len >= 0 && len >= q_len && len <= max_blocks * block_size,
+                    "each sequence's query rows must lie in its context, and the context in its block table");
+        longest = std::max(longest, len);
+        if (q_len == 1) {
+            units.push_back({s, -1, 0, 1, num_heads * len});
+        } else {
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+                for (int64_t i = 0; i < q_len; i += PREFILL_TILE) {
+                    const int64_t tokens = std::min(PREFILL_TILE, q_len - i), first_pos = len - q_len + i;
+                    units.push_back({s, h, i, tokens, group * tokens * (first_pos + tokens)});
+                }
+        }
+    }
+    std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+    auto out = at::empty_like(q);
+    const float* q_ptr = q.data_ptr<float>();
+    const int32_t* table_ptr = tables.data_ptr<int32_t>();
+    float* out_ptr = out.data_ptr<float>();
+    const uint16_t* k_ptr = elements<const uint16_t>(key_cache);
+    const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
+    const int64_t num_units = static_cast<int64_t>(units.size()), token_stride = num_heads * head_dim;
+    const float scale_f = static_cast<float>(scale);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
+        std::vector<float> scores(group * longest + 16), tile(16 * head_dim);
+        PrefillScratch scratch(group, head_dim);
+        for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
+            const Unit& unit = units[u];
+            const int32_t* table = table_ptr + unit.seq * max_blocks;
+            const int64_t len = len_ptr[unit.seq], token = start_ptr[unit.seq] + unit.first;
+            if (unit.kv_head < 0) {
+                for (int64_t h = 0; h < num_kv_heads; ++h) {
+                    const int64_t row = token * token_stride + h * group * head_dim;
+                    attend_unit_bf16_dot(q_ptr + row, k_ptr, v_ptr, table, len, h, num_kv_heads, block_size, head_dim,
+                                         group, scale_f, scores.data(), tile.data(), out_ptr + row);
+                }
+            } else {
+                const int64_t q_len = start_ptr[unit.seq + 1] - start_ptr[unit.seq];
+                const int64_t row = token * token_stride + unit.kv_head * group * head_dim;
+                prefill_unit_bf16_dot(q_ptr + row, token_stride, k_ptr, v_ptr, table, len - q_len + unit.first,
+                                      unit.tokens, unit.kv_head, num_kv_heads, block_size, head_dim, group, scale_f,
+                                      scratch, out_ptr + row);
+            }
+        }
+    });
+    return out;
+#else
+    TORCH_CHECK(false, "paged_attention_mixed needs an x86-64 CPU");
+#endif
 }
 
 // Token i's key and value rows of every kv head into slot `slots[i]` of caches of element `T`; slot -1 skipped.
@@ -1356,6 +1610,8 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
 TORCH_LIBRARY(pagewise_cpu, m) {
     m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale) -> Tensor");
+    m.def("paged_attention_mixed(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+          "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
     m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
           "Tensor slot_mapping) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
@@ -1369,6 +1625,7 @@ TORCH_LIBRARY(pagewise_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
     m.impl("paged_attention_decode", &paged_attention_decode);
+    m.impl("paged_attention_mixed", &paged_attention_mixed);
     m.impl("reshape_and_cache", &reshape_and_cache);
     m.impl("rms_norm", &rms_norm);
     m.impl("residual_add", &residual_add);

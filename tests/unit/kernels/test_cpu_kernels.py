@@ -84,19 +84,77 @@ def rounds_query_to_bf16(head_dim: int, group: int) -> bool:
 
 
 def expected_over_bf16_cache(batch) -> torch.Tensor:  # noqa: ANN001
-    """The reference over the batch's caches in bf16, with the decode rows' queries rounded as the compiled path
-    rounds them here (prefill rows run the reference's own attention, which does not round)."""
+    """The reference over the batch's caches in bf16, with the queries rounded as the compiled path rounds them
+    here: the decode rows' where the decode kernel takes its AVX512-BF16 path, and every row where prefill chunks
+    run compiled too (``cpu_ops.mixed_attention_runs``), which then computes in float32 over the widened cache;
+    otherwise prefill rows run the reference's own attention, which does not round."""
     num_heads, num_kv_heads, head_dim = batch.query.shape[1], batch.key_cache.shape[1], batch.query.shape[2]
+    clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+    mixed = mixed_steps_compiled(batch, clean[0])
     query = batch.query.clone()
     if rounds_query_to_bf16(head_dim, num_heads // num_kv_heads):
         starts = batch.query_start_loc.tolist()
         for s in range(len(starts) - 1):
-            if starts[s + 1] - starts[s] == 1:
-                query[starts[s]] = (query[starts[s]] * batch.scale).bfloat16().float() / batch.scale
-    clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+            if mixed or starts[s + 1] - starts[s] == 1:
+                rows = slice(starts[s], starts[s + 1])
+                query[rows] = (query[rows] * batch.scale).bfloat16().float() / batch.scale
+    caches = [cache.float() for cache in clean] if mixed else clean
     return reference.paged_attention(
-        query, *clean, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+        query, *caches, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
     )
+
+
+def mixed_steps_compiled(batch, bf16_cache: torch.Tensor) -> bool:  # noqa: ANN001
+    """Whether the batch, holding a prefill chunk, runs through ``paged_attention_mixed`` here."""
+    decode_only = batch.query_start_loc[-1].item() == len(batch.seq_lens)
+    return not decode_only and cpu_ops.mixed_attention_runs(batch.query, bf16_cache)
+
+
+def bf16_dot_products() -> bool:
+    flags = gemm.cpu_flags()
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+@pytest.mark.skipif(not bf16_dot_products(), reason="paged_attention_mixed needs AVX512-BF16")
+@pytest.mark.parametrize("seed", range(10))
+def test_mixed_steps_over_a_bf16_cache_random_shapes(seed: int, paged_batch) -> None:
+    """The compiled mixed op (decodes and prefill chunks of one step) against the float32 reference of the
+    scaled query rounded to bf16 over the widened cache, on NaN-poisoned caches: chunks longer than a tile of
+    query tokens and than a pass of keys (so the running peak is rescaled), chunks after a cached prefix,
+    decodes beside them, block sizes from 1 to 64 and the head dims it takes."""
+    rng = random.Random(200 + seed)
+    num_kv_heads, group = rng.choice([1, 2, 3]), rng.choice([1, 3, 4, 8])
+    block_size = rng.choice([1, 4, 16, 32, 64])
+    seq_lens, q_lens = [], []
+    for _ in range(rng.randint(1, 6)):
+        n = rng.choice([rng.randint(2, 40), rng.randint(33, 300), rng.randint(250, 600)])
+        seq_lens.append(n)
+        q_lens.append(rng.choice([1, n, rng.randint(2, n)]))  # decode, whole prompt, chunk after a prefix
+    head_dim = rng.choice([32, 64, 128])
+    batch = paged_batch(seq_lens, q_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=seed)
+    caches = [cache.bfloat16() for cache in batch.poisoned_caches()]
+    out = batch.attend(torch.ops.pagewise_cpu.paged_attention_mixed, *caches)
+    query = (batch.query * batch.scale).bfloat16().float() / batch.scale
+    widened = [cache.bfloat16().float() for cache in (batch.key_cache, batch.value_cache)]
+    expected = reference.paged_attention(
+        query, *widened, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not bf16_dot_products(), reason="paged_attention_mixed needs AVX512-BF16")
+def test_mixed_op_refuses_what_it_does_not_take(paged_batch) -> None:
+    batch = paged_batch([40, 9], [40, 1], 6, 2, 64, 16)
+    op = torch.ops.pagewise_cpu.paged_attention_mixed
+    with pytest.raises(RuntimeError, match="bf16 cache"):
+        batch.attend(op)  # a float32 cache
+    bf16 = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
+    with pytest.raises(RuntimeError, match="query rows must lie in its context"):
+        op(batch.query, *bf16, batch.block_tables, torch.tensor([30, 9], dtype=torch.int32), batch.query_start_loc,
+           batch.scale)  # fmt: skip
+    odd = paged_batch([20], [20], 2, 1, 80, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        odd.attend(op, *(cache.bfloat16() for cache in (odd.key_cache, odd.value_cache)))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
