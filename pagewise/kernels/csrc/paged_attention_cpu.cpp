@@ -348,77 +348,107 @@ PAGEWISE_BF16_DOT inline void accumulate_rows(const float* p, const float* tile,
     }
 }
 
-// One (sequence, kv head) unit as `attend_body`, for a bf16 cache with head_dim a multiple of 32 (at most 256)
-// and at most 8 query heads per kv head. `scores` holds group * context_len floats, `tile` 16 * head_dim.
+// Kv heads a decode pass over a bf16 cache takes together: their rows of a block lie side by side, so each block
+// is read as one run of up to four heads' rows rather than one head's rows at a time.
+constexpr int64_t DECODE_HEADS = 4;
+
+// Decode attention of one sequence over a bf16 cache, every kv head (as `attend_body` per head), head_dim a
+// multiple of 32 (at most 256) and at most 8 query heads per kv head. `scores` holds num_heads * context_len + 16
+// floats, `tile` 16 * head_dim; `queries` and `out` are the sequence's rows of every query head.
 PAGEWISE_BF16_DOT
-void attend_unit_bf16_dot(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache,
-                          const int32_t* table, int64_t context_len, int64_t kv_head, int64_t num_kv_heads,
-                          int64_t block_size, int64_t head_dim, int64_t group, float scale, float* scores,
-                          float* tile, float* out) {
-    const int64_t block_stride = num_kv_heads * block_size * head_dim;
-    const int64_t head_offset = kv_head * block_size * head_dim;
+void attend_sequence_bf16_dot(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache,
+                              const int32_t* table, int64_t context_len, int64_t num_kv_heads, int64_t block_size,
+                              int64_t head_dim, int64_t group, float scale, float* scores, float* tile, float* out) {
+    const int64_t block_stride = num_kv_heads * block_size * head_dim, head_stride = block_size * head_dim;
     const int64_t pairs = head_dim / 32;  // 32 bf16 per dot-product instruction
-    __m512bh q[8][8];
-    for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < pairs; ++c) {
-            const float* row = queries + g * head_dim + 32 * c;
-            q[g][c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + 16), _mm512_set1_ps(scale)),
-                                          _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(scale)));
-        }
-    for (int64_t t = 0; t < context_len;) {
-        const uint16_t* k = block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim);
-        const int64_t run = std::min(block_size - t % block_size, context_len - t);
-        prefetch_ahead(key_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
-        int64_t i = 0;
-        for (; i + 16 <= run; i += 16) {
-            for (int64_t g = 0; g < group; ++g) {
-                __m512 partial[16];
-                for (int j = 0; j < 16; ++j) partial[j] = dot_bf16(k + (i + j) * head_dim, q[g], pairs);
-                _mm512_storeu_ps(scores + g * context_len + t + i, sum_lanes_of_16(partial));
-            }
-        }
-        for (; i < run; ++i)
-            for (int64_t g = 0; g < group; ++g)
-                scores[g * context_len + t + i] = _mm512_reduce_add_ps(dot_bf16(k + i * head_dim, q[g], pairs));
-        t += run;
-    }
-    prefetch_block(value_cache, table, 0, context_len, block_stride, head_offset, block_size, head_dim);
-    const int64_t full = context_len & ~int64_t{15};
-    for (int64_t g = 0; g < group; ++g) {
-        float* row = scores + g * context_len;
-        __m512 peak16 = _mm512_set1_ps(-std::numeric_limits<float>::max());
-        for (int64_t t = 0; t < full; t += 16) peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
-        float peak = _mm512_reduce_max_ps(peak16);
-        for (int64_t t = full; t < context_len; ++t) peak = std::max(peak, row[t]);
-        const __m512 peaks = _mm512_set1_ps(peak);
-        __m512 total16 = _mm512_setzero_ps();
-        for (int64_t t = 0; t < context_len; t += 16) {
-            const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peaks));
-            _mm512_mask_storeu_ps(row + t, live, e);
-            total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(live, e));
-        }
-        const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
-        for (int64_t t = 0; t < context_len; t += 16) {
-            const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
-            _mm512_mask_storeu_ps(row + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + t), inverse));
-        }
-        std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
-    }
     const int64_t chunks = head_dim / 16;
-    for (int64_t t = 0; t < context_len;) {
-        const uint16_t* v = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
-        const int64_t run = std::min(block_size - t % block_size, context_len - t);
-        prefetch_ahead(value_cache, table, t, context_len, block_stride, head_offset, block_size, head_dim);
-        for (int64_t i = 0; i < run; i += 16) {
-            const int64_t rows = std::min<int64_t>(16, run - i);
-            for (int64_t j = 0; j < rows * chunks; ++j)  // widen: a bf16 is the top half of a float32
-                _mm512_storeu_ps(tile + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i * head_dim + 16 * j))), 16)));
-            for (int64_t g = 0; g < group; ++g)
-                accumulate_rows(scores + g * context_len + t + i, tile, rows, chunks, out + g * head_dim);
+    const int64_t full = context_len & ~int64_t{15};
+    for (int64_t h0 = 0; h0 < num_kv_heads; h0 += DECODE_HEADS) {
+        const int64_t heads = std::min(DECODE_HEADS, num_kv_heads - h0), rows = heads * group;
+        const int64_t head_offset = h0 * head_stride;
+        const float* first_query = queries + h0 * group * head_dim;
+        float* first_out = out + h0 * group * head_dim;
+        __m512bh q[DECODE_HEADS * 8][8];
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < pairs; ++c) {
+                const float* row = first_query + r * head_dim + 32 * c;
+                q[r][c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + 16), _mm512_set1_ps(scale)),
+                                              _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(scale)));
+            }
+        // The heads' rows of one block are one contiguous run; ask for the next block's (all of them) ahead.
+        auto prefetch_next = [&](int64_t t) {
+            const int64_t next = (t / block_size + 1) * block_size;
+            if (next >= context_len) return;
+            for (int64_t h = 0; h < heads; ++h)
+                prefetch_block(key_cache, table, next, context_len, block_stride, head_offset + h * head_stride,
+                               block_size, head_dim);
+        };
+        for (int64_t t = 0; t < context_len;) {
+            const int64_t run = std::min(block_size - t % block_size, context_len - t);
+            prefetch_next(t);
+            for (int64_t h = 0; h < heads; ++h) {
+                const uint16_t* k = block_rows(key_cache, table, t, block_stride, head_offset + h * head_stride,
+                                               block_size, head_dim);
+                int64_t i = 0;
+                for (; i + 16 <= run; i += 16) {
+                    for (int64_t g = 0; g < group; ++g) {
+                        __m512 partial[16];
+                        for (int j = 0; j < 16; ++j) partial[j] = dot_bf16(k + (i + j) * head_dim, q[h * group + g], pairs);
+                        _mm512_storeu_ps(scores + (h * group + g) * context_len + t + i, sum_lanes_of_16(partial));
+                    }
+                }
+                for (; i < run; ++i)
+                    for (int64_t g = 0; g < group; ++g)
+                        scores[(h * group + g) * context_len + t + i] =
+                            _mm512_reduce_add_ps(dot_bf16(k + i * head_dim, q[h * group + g], pairs));
+            }
+            t += run;
         }
-        t += run;
+        for (int64_t h = 0; h < heads; ++h)
+            prefetch_block(value_cache, table, 0, context_len, block_stride, head_offset + h * head_stride, block_size,
+                           head_dim);
+        for (int64_t r = 0; r < rows; ++r) {
+            float* row = scores + r * context_len;
+            __m512 peak16 = _mm512_set1_ps(-std::numeric_limits<float>::max());
+            for (int64_t t = 0; t < full; t += 16) peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
+            float peak = _mm512_reduce_max_ps(peak16);
+            for (int64_t t = full; t < context_len; ++t) peak = std::max(peak, row[t]);
+            const __m512 peaks = _mm512_set1_ps(peak);
+            __m512 total16 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < context_len; t += 16) {
+                const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
+                const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peaks));
+                _mm512_mask_storeu_ps(row + t, live, e);
+                total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(live, e));
+            }
+            const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+            for (int64_t t = 0; t < context_len; t += 16) {
+                const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
+                _mm512_mask_storeu_ps(row + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + t), inverse));
+            }
+            std::fill(first_out + r * head_dim, first_out + (r + 1) * head_dim, 0.f);
+        }
+        for (int64_t t = 0; t < context_len;) {
+            const int64_t run = std::min(block_size - t % block_size, context_len - t);
+            const int64_t next = (t / block_size + 1) * block_size;
+            for (int64_t h = 0; h < heads && next < context_len; ++h)
+                prefetch_block(value_cache, table, next, context_len, block_stride, head_offset + h * head_stride,
+                               block_size, head_dim);
+            for (int64_t h = 0; h < heads; ++h) {
+                const uint16_t* v = block_rows(value_cache, table, t, block_stride, head_offset + h * head_stride,
+                                               block_size, head_dim);
+                for (int64_t i = 0; i < run; i += 16) {
+                    const int64_t n = std::min<int64_t>(16, run - i);
+                    for (int64_t j = 0; j < n * chunks; ++j)  // widen: a bf16 is the top half of a float32
+                        _mm512_storeu_ps(tile + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i * head_dim + 16 * j))), 16)));
+                    for (int64_t g = 0; g < group; ++g)
+                        accumulate_rows(scores + (h * group + g) * context_len + t + i, tile, n, chunks,
+                                        first_out + (h * group + g) * head_dim);
+                }
+            }
+            t += run;
+        }
     }
 }
 
@@ -805,7 +835,16 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
         const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
 #if defined(__x86_64__)
         if (cpu_has_bf16_dot() && head_dim % 32 == 0 && head_dim <= 256 && group <= 8) {
-            attend_units(attend_unit_bf16_dot, k_ptr, v_ptr, group * longest + 16, 16 * head_dim);
+            std::atomic<int64_t> next{0};
+            at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
+                std::vector<float> scores(num_heads * longest + 16), tile(16 * head_dim);
+                for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
+                    const int64_t row = s * num_heads * head_dim;
+                    attend_sequence_bf16_dot(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s],
+                                             num_kv_heads, block_size, head_dim, group, static_cast<float>(scale),
+                                             scores.data(), tile.data(), out_ptr + row);
+                }
+            });
             return out;
         }
 #endif
@@ -887,18 +926,16 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
     const float scale_f = static_cast<float>(scale);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
-        std::vector<float> scores(group * longest + 16), tile(16 * head_dim);
+        std::vector<float> scores(num_heads * longest + 16), tile(16 * head_dim);
         PrefillScratch scratch(group, head_dim);
         for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
             const Unit& unit = units[u];
             const int32_t* table = table_ptr + unit.seq * max_blocks;
             const int64_t len = len_ptr[unit.seq], token = start_ptr[unit.seq] + unit.first;
             if (unit.kv_head < 0) {
-                for (int64_t h = 0; h < num_kv_heads; ++h) {
-                    const int64_t row = token * token_stride + h * group * head_dim;
-                    attend_unit_bf16_dot(q_ptr + row, k_ptr, v_ptr, table, len, h, num_kv_heads, block_size, head_dim,
-                                         group, scale_f, scores.data(), tile.data(), out_ptr + row);
-                }
+                attend_sequence_bf16_dot(q_ptr + token * token_stride, k_ptr, v_ptr, table, len, num_kv_heads,
+                                         block_size, head_dim, group, scale_f, scores.data(), tile.data(),
+                                         out_ptr + token * token_stride);
             } else {
                 const int64_t q_len = start_ptr[unit.seq + 1] - start_ptr[unit.seq];
                 const int64_t row = token * token_stride + unit.kv_head * group * head_dim;
