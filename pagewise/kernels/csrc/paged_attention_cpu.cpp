@@ -503,13 +503,13 @@ struct PrefillScratch {
 };
 
 // The `tokens` query tokens of one tile (token i's row of query head kv_head * group + g at
-// `query + i * token_stride + g * head_dim`, its output at the same place in `out`) attend over the cache's tokens
+// `query + i * query_stride + g * head_dim`, its output at `out + i * out_stride + g * head_dim`) attend over the cache's tokens
 // 0 .. first_pos + i (first_pos: the position of the tile's first token). head_dim a multiple of 32, at most 256.
 PAGEWISE_BF16_DOT
-void prefill_unit_bf16_dot(const float* query, int64_t token_stride, const uint16_t* key_cache,
+void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint16_t* key_cache,
                            const uint16_t* value_cache, const int32_t* table, int64_t first_pos, int64_t tokens,
                            int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                           int64_t group, float scale, PrefillScratch& scratch, float* out) {
+                           int64_t group, float scale, PrefillScratch& scratch, float* out, int64_t out_stride) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t head_offset = kv_head * block_size * head_dim;
     const int64_t rows = tokens * group, pairs = head_dim / 2, chunks = head_dim / 16;
@@ -519,7 +519,7 @@ void prefill_unit_bf16_dot(const float* query, int64_t token_stride, const uint1
     uint32_t* kt = scratch.keys.data();
     float* v = scratch.values.data();
     for (int64_t r = 0; r < rows; ++r) {
-        const float* row = query + (r / group) * token_stride + (r % group) * head_dim;
+        const float* row = query + (r / group) * query_stride + (r % group) * head_dim;
         for (int64_t c = 0; c < head_dim; c += 32)
             _mm512_storeu_si512(q + r * pairs + c / 2,
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + c + 16), _mm512_set1_ps(scale)),
@@ -610,7 +610,7 @@ void prefill_unit_bf16_dot(const float* query, int64_t token_stride, const uint1
     }
     for (int64_t r = 0; r < rows; ++r) {
         const __m512 inverse = _mm512_set1_ps(1.f / total[r]);
-        float* dst = out + (r / group) * token_stride + (r % group) * head_dim;
+        float* dst = out + (r / group) * out_stride + (r % group) * head_dim;
         for (int64_t c = 0; c < chunks; ++c)
             _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * head_dim + 16 * c), inverse));
     }
@@ -784,6 +784,12 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
                 "key and value caches differ in dtype or shape");
 }
 
+// The query's [tokens, heads, head_dim] rows as given where each token's heads lie side by side (the QKV split's
+// view, token rows strided), else a contiguous copy.
+at::Tensor query_rows(const at::Tensor& query) {
+    return query.stride(2) == 1 && query.stride(1) == query.size(2) ? query : query.contiguous();
+}
+
 // query [num_seqs, num_heads, head_dim]: one token per sequence, at position seq_lens[s] - 1 (already cached).
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -791,7 +797,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query must be float32 [seqs, heads, dim]");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 2-D");
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
-    const auto q = query.contiguous();
+    const auto q = query_rows(query);
     const auto tables = block_tables.contiguous();
     const auto lens = seq_lens.contiguous();
     const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -803,7 +809,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     for (int64_t s = 0; s < num_seqs; ++s) {
         TORCH_CHECK(len_ptr[s] >= 1 && len_ptr[s] <= max_blocks * block_size, "seq_lens out of the block table");
     }
-    auto out = at::empty_like(q);
+    auto out = at::empty(q.sizes(), q.options());
     const float* q_ptr = q.data_ptr<float>();
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
@@ -821,10 +827,10 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
             std::vector<float> scores(scores_size), scratch(scratch_size);
             for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
                 for (int64_t h = 0; h < num_kv_heads; ++h) {
-                    const int64_t row = (s * num_heads + h * group) * head_dim;
-                    attend(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h, num_kv_heads,
-                           block_size, head_dim, group, static_cast<float>(scale), scores.data(), scratch.data(),
-                           out_ptr + row);
+                    const int64_t heads = h * group * head_dim;
+                    attend(q_ptr + s * q.stride(0) + heads, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h,
+                           num_kv_heads, block_size, head_dim, group, static_cast<float>(scale), scores.data(),
+                           scratch.data(), out_ptr + s * num_heads * head_dim + heads);
                 }
             }
         });
@@ -839,10 +845,9 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
             at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
                 std::vector<float> scores(num_heads * longest + 16), tile(16 * head_dim);
                 for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
-                    const int64_t row = s * num_heads * head_dim;
-                    attend_sequence_bf16_dot(q_ptr + row, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s],
+                    attend_sequence_bf16_dot(q_ptr + s * q.stride(0), k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s],
                                              num_kv_heads, block_size, head_dim, group, static_cast<float>(scale),
-                                             scores.data(), tile.data(), out_ptr + row);
+                                             scores.data(), tile.data(), out_ptr + s * num_heads * head_dim);
                 }
             });
             return out;
@@ -880,7 +885,7 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
     TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1,
                 "query_start_loc must be int32 1-D");
-    const auto q = query.contiguous();
+    const auto q = query_rows(query);
     const auto tables = block_tables.contiguous();
     const auto lens = seq_lens.contiguous();
     const auto starts = query_start_loc.contiguous();
@@ -916,13 +921,13 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
         }
     }
     std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
-    auto out = at::empty_like(q);
+    auto out = at::empty(q.sizes(), q.options());
     const float* q_ptr = q.data_ptr<float>();
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
     const uint16_t* k_ptr = elements<const uint16_t>(key_cache);
     const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
-    const int64_t num_units = static_cast<int64_t>(units.size()), token_stride = num_heads * head_dim;
+    const int64_t num_units = static_cast<int64_t>(units.size()), q_stride = q.stride(0), out_stride = num_heads * head_dim;
     const float scale_f = static_cast<float>(scale);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
@@ -933,15 +938,16 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
             const int32_t* table = table_ptr + unit.seq * max_blocks;
             const int64_t len = len_ptr[unit.seq], token = start_ptr[unit.seq] + unit.first;
             if (unit.kv_head < 0) {
-                attend_sequence_bf16_dot(q_ptr + token * token_stride, k_ptr, v_ptr, table, len, num_kv_heads,
+                attend_sequence_bf16_dot(q_ptr + token * q_stride, k_ptr, v_ptr, table, len, num_kv_heads,
                                          block_size, head_dim, group, scale_f, scores.data(), tile.data(),
-                                         out_ptr + token * token_stride);
+                                         out_ptr + token * out_stride);
             } else {
                 const int64_t q_len = start_ptr[unit.seq + 1] - start_ptr[unit.seq];
-                const int64_t row = token * token_stride + unit.kv_head * group * head_dim;
-                prefill_unit_bf16_dot(q_ptr + row, token_stride, k_ptr, v_ptr, table, len - q_len + unit.first,
-                                      unit.tokens, unit.kv_head, num_kv_heads, block_size, head_dim, group, scale_f,
-                                      scratch, out_ptr + row);
+                const int64_t heads = unit.kv_head * group * head_dim;
+                prefill_unit_bf16_dot(q_ptr + token * q_stride + heads, q_stride, k_ptr, v_ptr, table,
+                                      len - q_len + unit.first, unit.tokens, unit.kv_head, num_kv_heads, block_size,
+                                      head_dim, group, scale_f, scratch, out_ptr + token * out_stride + heads,
+                                      out_stride);
             }
         }
     });
@@ -951,32 +957,48 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
 #endif
 }
 
-// Token i's key and value rows of every kv head into slot `slots[i]` of caches of element `T`; slot -1 skipped.
-template <typename T>
-void write_slots(const float* src_k, const float* src_v, const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads,
-                 int64_t block_size, int64_t head_dim, T* dst_k, T* dst_v) {
-    for (int64_t i = 0; i < num_tokens; ++i) {
-        const int64_t slot = slots[i];
-        if (slot < 0) continue;
-        const int64_t block = slot / block_size, offset = slot % block_size;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
-            const int64_t src = (i * num_kv_heads + h) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                narrow(src_k[src + d], dst_k + dst + d);
-                narrow(src_v[src + d], dst_v + dst + d);
-            }
-        }
-    }
+// One cache row: `n` floats stored as the cache's element (rounded to nearest even for bf16); a plain loop of
+// integer operations, built for several instruction sets so it is vectorized.
+PAGEWISE_CLONES void store_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+PAGEWISE_CLONES void store_row(const float* src, int64_t n, uint16_t* dst) {
+    for (int64_t d = 0; d < n; ++d) narrow(src[d], dst + d);
 }
 
-// key/value [num_tokens, num_kv_heads, head_dim] into their slots; slot -1 is skipped.
+// Tokens per thread of the cache write: a decode step's few tokens are written by one thread, a prefill chunk's
+// by all.
+constexpr int64_t WRITE_GRAIN = 256;
+
+// Token i's key and value rows of every kv head (at src + i * token_stride + h * head_stride, head_dim floats
+// each) into slot `slots[i]` of caches of element `T`; slot -1 skipped.
+template <typename T>
+void write_slots(const float* src_k, const float* src_v, int64_t k_token_stride, int64_t v_token_stride,
+                 int64_t k_head_stride, int64_t v_head_stride, const int64_t* slots, int64_t num_tokens,
+                 int64_t num_kv_heads, int64_t block_size, int64_t head_dim, T* dst_k, T* dst_v) {
+    at::parallel_for(0, num_tokens, WRITE_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t slot = slots[i];
+            if (slot < 0) continue;
+            const int64_t block = slot / block_size, offset = slot % block_size;
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
+                store_row(src_k + i * k_token_stride + h * k_head_stride, head_dim, dst_k + dst);
+                store_row(src_v + i * v_token_stride + h * v_head_stride, head_dim, dst_v + dst);
+            }
+        }
+    });
+}
+
+// key/value [num_tokens, num_kv_heads, head_dim] (each row contiguous; the tokens and heads may be strided, as
+// the QKV projection's split leaves them) into their slots; slot -1 is skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
     check_caches(key_cache, value_cache);
     TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key/value must be float32");
+    TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [tokens, kv_heads, head_dim]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-    const auto k = key.contiguous(), v = value.contiguous(), slots = slot_mapping.contiguous();
+    const auto k = key.stride(2) == 1 ? key : key.contiguous();
+    const auto v = value.stride(2) == 1 ? value : value.contiguous();
+    const auto slots = slot_mapping.contiguous();
     const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
     const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(0) * block_size;
     TORCH_CHECK(key_cache.size(1) == num_kv_heads && key_cache.size(3) == head_dim && slots.size(0) == num_tokens,
@@ -987,13 +1009,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     }
     const float* src_k = k.data_ptr<float>();
     const float* src_v = v.data_ptr<float>();
-    if (key_cache.scalar_type() == at::kBFloat16) {
-        write_slots(src_k, src_v, slot_ptr, num_tokens, num_kv_heads, block_size, head_dim,
-                    elements<uint16_t>(key_cache), elements<uint16_t>(value_cache));
-    } else {
-        write_slots(src_k, src_v, slot_ptr, num_tokens, num_kv_heads, block_size, head_dim,
-                    elements<float>(key_cache), elements<float>(value_cache));
-    }
+    auto write = [&](auto* dst_k, auto* dst_v) {
+        write_slots(src_k, src_v, k.stride(0), v.stride(0), k.stride(1), v.stride(1), slot_ptr, num_tokens,
+                    num_kv_heads, block_size, head_dim, dst_k, dst_v);
+    };
+    if (key_cache.scalar_type() == at::kBFloat16) write(elements<uint16_t>(key_cache), elements<uint16_t>(value_cache));
+    else write(elements<float>(key_cache), elements<float>(value_cache));
 }
 
 // ---- fused per-token ops (computed in float32, one parallel pass over rows)

@@ -319,3 +319,20 @@ def test_forcing_the_compiled_backend_loads_it_or_says_why(monkeypatch, tmp_path
                 kernels.backend_for(torch.zeros(1, 1, 1, 1))
     finally:
         cpu_ops.available.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed_gqa"])
+def test_attention_reads_the_query_where_the_qkv_split_leaves_it(case: str, paged_batch) -> None:
+    """The QKV split leaves each token's query heads side by side but the tokens strided: the compiled ops read
+    that view in place and give what they give for a contiguous copy, over either cache dtype."""
+    batch = paged_batch(*CASES[case], seed=7)
+    tokens, heads, head_dim = batch.query.shape
+    qkv = torch.randn(tokens, heads * head_dim + 96)
+    qkv[:, : heads * head_dim] = batch.query.reshape(tokens, -1)
+    split = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert not split.is_contiguous()
+    for caches in (batch.poisoned_caches(), [cache.bfloat16() for cache in batch.poisoned_caches()]):
+        args = (*caches, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale)
+        out = cpu_ops.paged_attention(split, *args)
+        assert out.is_contiguous()
+        assert torch.equal(out, cpu_ops.paged_attention(batch.query, *args))
