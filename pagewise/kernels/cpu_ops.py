@@ -136,8 +136,9 @@ def mixed_attention_runs(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 def bf16_prefill_compiled() -> bool:
     """Prefill chunks over a bf16 cache run compiled on a CPU with AVX512-BF16 and no AMX, the library loaded.
 
-    Without AMX, torch's flash attention multiplies its small bf16 blocks at a fraction of the CPU's rate (on Zen 4:
-    18-27 GFLOP/s on 8 prompts of 128-512 tokens, against 48-59 for the compiled op: ``docs/benchmarks.md``). With
+    Without AMX, torch's flash attention multiplies its small bf16 blocks at a fraction of the CPU's rate (on Zen 4
+    the reference runs at 13-28 GFLOP/s on 8 prompts of 128-512 tokens, the compiled op at 31-53:
+    ``docs/benchmarks.md``). With
     AMX it multiplies on AMX tiles, which the compiled op (written for ``vdpbf16ps``) does not use, and it stays.
     """
     from pagewise.kernels.gemm import cpu_flags  # gemm imports this module
