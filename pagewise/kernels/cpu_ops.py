@@ -138,8 +138,8 @@ def bf16_prefill_compiled() -> bool:
 
     Without AMX, torch's flash attention multiplies its small bf16 blocks at a fraction of the CPU's rate (on Zen 4
     the reference runs at 13-28 GFLOP/s on 8 prompts of 128-512 tokens, the compiled op at 31-53:
-    ``docs/benchmarks.md``). With
-    AMX it multiplies on AMX tiles, which the compiled op (written for ``vdpbf16ps``) does not use, and it stays.
+    ``docs/benchmarks.md``). With AMX it multiplies on AMX tiles, which the compiled op (written for
+    ``vdpbf16ps``) does not use, and it stays.
     """
     from pagewise.kernels.gemm import cpu_flags  # gemm imports this module
 

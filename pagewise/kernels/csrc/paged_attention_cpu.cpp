@@ -27,6 +27,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -784,6 +785,25 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
                 "key and value caches differ in dtype or shape");
 }
 
+// `work(i, state)` for every i < count on the pool's threads, each thread with its own `state` (from
+// `make_state()`), taking the next i from a shared counter rather than a fixed share: the items' costs differ
+// (sequences' lengths, tiles' key counts), and a thread the OS takes away for a while (another process woke on
+// its core) leaves its items to the others instead of holding them all up.
+template <typename MakeState, typename Work>
+void claim_in_turn(int64_t count, MakeState make_state, Work work) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+        auto state = make_state();
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) work(i, state);
+    });
+}
+
+// The shapes the AVX512-BF16 attention loops take: head_dim a multiple of 32 up to 256, at most 8 query heads per
+// kv head.
+inline bool bf16_dot_shapes(int64_t head_dim, int64_t group) {
+    return head_dim % 32 == 0 && head_dim <= 256 && group <= 8;
+}
+
 // The query's [tokens, heads, head_dim] rows as given where each token's heads lie side by side (the QKV split's
 // view, token rows strided), else a contiguous copy.
 at::Tensor query_rows(const at::Tensor& query) {
@@ -814,24 +834,18 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
     const int32_t* table_ptr = tables.data_ptr<int32_t>();
     float* out_ptr = out.data_ptr<float>();
     const int64_t longest = *std::max_element(len_ptr, len_ptr + num_seqs);
-    // Every (sequence, kv head) unit through `attend` (a unit function: they share one signature) on each thread
-    // of the pool, each thread with a scores buffer of `scores_size` floats and a scratch one of `scratch_size`.
-    // The threads take sequences (all their kv heads, whose rows lie side by side in each block) one at a time
-    // from a shared counter rather than a fixed share each: a sequence's cost is its length, which differs from
-    // one to the next, and a thread the OS takes away for a while (another process woke on its core) leaves its
-    // sequences to the others instead of holding them all up.
+    // Every (sequence, kv head) unit through `attend` (a unit function: they share one signature), a sequence (all
+    // its kv heads, whose rows lie side by side in each block) at a time, each thread with a scores buffer of
+    // `scores_size` floats and a scratch one of `scratch_size`.
     auto attend_units = [&](auto attend, const auto* k_ptr, const auto* v_ptr, int64_t scores_size,
                             int64_t scratch_size) {
-        std::atomic<int64_t> next{0};
-        at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
-            std::vector<float> scores(scores_size), scratch(scratch_size);
-            for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
-                for (int64_t h = 0; h < num_kv_heads; ++h) {
-                    const int64_t heads = h * group * head_dim;
-                    attend(q_ptr + s * q.stride(0) + heads, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h,
-                           num_kv_heads, block_size, head_dim, group, static_cast<float>(scale), scores.data(),
-                           scratch.data(), out_ptr + s * num_heads * head_dim + heads);
-                }
+        auto buffers = [&] { return std::pair(std::vector<float>(scores_size), std::vector<float>(scratch_size)); };
+        claim_in_turn(num_seqs, buffers, [&](int64_t s, auto& state) {
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                const int64_t heads = h * group * head_dim;
+                attend(q_ptr + s * q.stride(0) + heads, k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s], h,
+                       num_kv_heads, block_size, head_dim, group, static_cast<float>(scale), state.first.data(),
+                       state.second.data(), out_ptr + s * num_heads * head_dim + heads);
             }
         });
     };
@@ -840,15 +854,14 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
         const uint16_t* k_ptr = elements<const uint16_t>(key_cache);
         const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
 #if defined(__x86_64__)
-        if (cpu_has_bf16_dot() && head_dim % 32 == 0 && head_dim <= 256 && group <= 8) {
-            std::atomic<int64_t> next{0};
-            at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
-                std::vector<float> scores(num_heads * longest + 16), tile(16 * head_dim);
-                for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
-                    attend_sequence_bf16_dot(q_ptr + s * q.stride(0), k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s],
-                                             num_kv_heads, block_size, head_dim, group, static_cast<float>(scale),
-                                             scores.data(), tile.data(), out_ptr + s * num_heads * head_dim);
-                }
+        if (cpu_has_bf16_dot() && bf16_dot_shapes(head_dim, group)) {
+            auto buffers = [&] {
+                return std::pair(std::vector<float>(num_heads * longest + 16), std::vector<float>(16 * head_dim));
+            };
+            claim_in_turn(num_seqs, buffers, [&](int64_t s, auto& state) {
+                attend_sequence_bf16_dot(q_ptr + s * q.stride(0), k_ptr, v_ptr, table_ptr + s * max_blocks, len_ptr[s],
+                                         num_kv_heads, block_size, head_dim, group, static_cast<float>(scale),
+                                         state.first.data(), state.second.data(), out_ptr + s * num_heads * head_dim);
             });
             return out;
         }
@@ -893,7 +906,7 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
     const int64_t num_seqs = lens.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
     TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "query and cache shapes disagree");
     const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
-    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 256 && group <= 8,
+    TORCH_CHECK(bf16_dot_shapes(head_dim, group),
                 "paged_attention_mixed takes head_dim a multiple of 32 up to 256 and up to 8 query heads per kv head");
     TORCH_CHECK(tables.size(0) == num_seqs && starts.size(0) == num_seqs + 1,
                 "one block table and length per sequence, num_seqs + 1 query starts");
@@ -929,26 +942,29 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
     const uint16_t* v_ptr = elements<const uint16_t>(value_cache);
     const int64_t num_units = static_cast<int64_t>(units.size()), q_stride = q.stride(0), out_stride = num_heads * head_dim;
     const float scale_f = static_cast<float>(scale);
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
-        std::vector<float> scores(num_heads * longest + 16), tile(16 * head_dim);
-        PrefillScratch scratch(group, head_dim);
-        for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
-            const Unit& unit = units[u];
-            const int32_t* table = table_ptr + unit.seq * max_blocks;
-            const int64_t len = len_ptr[unit.seq], token = start_ptr[unit.seq] + unit.first;
-            if (unit.kv_head < 0) {
-                attend_sequence_bf16_dot(q_ptr + token * q_stride, k_ptr, v_ptr, table, len, num_kv_heads,
-                                         block_size, head_dim, group, scale_f, scores.data(), tile.data(),
-                                         out_ptr + token * out_stride);
-            } else {
-                const int64_t q_len = start_ptr[unit.seq + 1] - start_ptr[unit.seq];
-                const int64_t heads = unit.kv_head * group * head_dim;
-                prefill_unit_bf16_dot(q_ptr + token * q_stride + heads, q_stride, k_ptr, v_ptr, table,
-                                      len - q_len + unit.first, unit.tokens, unit.kv_head, num_kv_heads, block_size,
-                                      head_dim, group, scale_f, scratch, out_ptr + token * out_stride + heads,
-                                      out_stride);
-            }
+    struct Buffers {
+        std::vector<float> scores, tile;
+        PrefillScratch prefill;
+    };
+    auto buffers = [&] {
+        return Buffers{std::vector<float>(num_heads * longest + 16), std::vector<float>(16 * head_dim),
+                       PrefillScratch(group, head_dim)};
+    };
+    claim_in_turn(num_units, buffers, [&](int64_t u, Buffers& state) {
+        const Unit& unit = units[u];
+        const int32_t* table = table_ptr + unit.seq * max_blocks;
+        const int64_t len = len_ptr[unit.seq], token = start_ptr[unit.seq] + unit.first;
+        if (unit.kv_head < 0) {
+            attend_sequence_bf16_dot(q_ptr + token * q_stride, k_ptr, v_ptr, table, len, num_kv_heads, block_size,
+                                     head_dim, group, scale_f, state.scores.data(), state.tile.data(),
+                                     out_ptr + token * out_stride);
+        } else {
+            const int64_t q_len = start_ptr[unit.seq + 1] - start_ptr[unit.seq];
+            const int64_t heads = unit.kv_head * group * head_dim;
+            prefill_unit_bf16_dot(q_ptr + token * q_stride + heads, q_stride, k_ptr, v_ptr, table,
+                                  len - q_len + unit.first, unit.tokens, unit.kv_head, num_kv_heads, block_size,
+                                  head_dim, group, scale_f, state.prefill, out_ptr + token * out_stride + heads,
+                                  out_stride);
         }
     });
     return out;

@@ -79,8 +79,12 @@ def rounds_query_to_bf16(head_dim: int, group: int) -> bool:
     """Whether the compiled decode over a bf16 cache takes its AVX512-BF16 path on this CPU for these shapes: it
     then computes the attention of the scaled query rounded to bf16 (products of two bf16 values, exact in
     float32)."""
-    flags = gemm.cpu_signature().partition(" | ")[2].split()
-    return "avx512_bf16" in flags and "avx512bw" in flags and head_dim % 32 == 0 and head_dim <= 256 and group <= 8
+    return bf16_dot_products() and head_dim % 32 == 0 and head_dim <= 256 and group <= 8
+
+
+def bf16_dot_products() -> bool:
+    flags = gemm.cpu_flags()
+    return "avx512_bf16" in flags and "avx512bw" in flags
 
 
 def expected_over_bf16_cache(batch) -> torch.Tensor:  # noqa: ANN001
@@ -90,17 +94,26 @@ def expected_over_bf16_cache(batch) -> torch.Tensor:  # noqa: ANN001
     otherwise prefill rows run the reference's own attention, which does not round."""
     num_heads, num_kv_heads, head_dim = batch.query.shape[1], batch.key_cache.shape[1], batch.query.shape[2]
     clean = [cache.bfloat16() for cache in (batch.key_cache, batch.value_cache)]
-    mixed = mixed_steps_compiled(batch, clean[0])
+    if mixed_steps_compiled(batch, clean[0]):
+        return bf16_dot_reference(batch)
     query = batch.query.clone()
     if rounds_query_to_bf16(head_dim, num_heads // num_kv_heads):
         starts = batch.query_start_loc.tolist()
         for s in range(len(starts) - 1):
-            if mixed or starts[s + 1] - starts[s] == 1:
-                rows = slice(starts[s], starts[s + 1])
-                query[rows] = (query[rows] * batch.scale).bfloat16().float() / batch.scale
-    caches = [cache.float() for cache in clean] if mixed else clean
+            if starts[s + 1] - starts[s] == 1:
+                query[starts[s]] = (query[starts[s]] * batch.scale).bfloat16().float() / batch.scale
     return reference.paged_attention(
-        query, *caches, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+        query, *clean, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
+
+
+def bf16_dot_reference(batch) -> torch.Tensor:  # noqa: ANN001
+    """What the AVX512-BF16 attention computes for every row: the float32 reference of the scaled query rounded
+    to bf16, over the cache rounded to bf16 and widened back."""
+    query = (batch.query * batch.scale).bfloat16().float() / batch.scale
+    widened = [cache.bfloat16().float() for cache in (batch.key_cache, batch.value_cache)]
+    return reference.paged_attention(
+        query, *widened, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
     )
 
 
@@ -108,11 +121,6 @@ def mixed_steps_compiled(batch, bf16_cache: torch.Tensor) -> bool:  # noqa: ANN0
     """Whether the batch, holding a prefill chunk, runs through ``paged_attention_mixed`` here."""
     decode_only = batch.query_start_loc[-1].item() == len(batch.seq_lens)
     return not decode_only and cpu_ops.mixed_attention_runs(batch.query, bf16_cache)
-
-
-def bf16_dot_products() -> bool:
-    flags = gemm.cpu_flags()
-    return "avx512_bf16" in flags and "avx512bw" in flags
 
 
 @pytest.mark.skipif(not bf16_dot_products(), reason="paged_attention_mixed needs AVX512-BF16")
@@ -134,12 +142,7 @@ def test_mixed_steps_over_a_bf16_cache_random_shapes(seed: int, paged_batch) -> 
     batch = paged_batch(seq_lens, q_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=seed)
     caches = [cache.bfloat16() for cache in batch.poisoned_caches()]
     out = batch.attend(torch.ops.pagewise_cpu.paged_attention_mixed, *caches)
-    query = (batch.query * batch.scale).bfloat16().float() / batch.scale
-    widened = [cache.bfloat16().float() for cache in (batch.key_cache, batch.value_cache)]
-    expected = reference.paged_attention(
-        query, *widened, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
-    )
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out, bf16_dot_reference(batch), rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.skipif(not bf16_dot_products(), reason="paged_attention_mixed needs AVX512-BF16")
