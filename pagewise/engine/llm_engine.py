@@ -38,6 +38,7 @@ from pagewise.engine.errors import (
 )
 from pagewise.engine.gemm_selection import select_gemm_path
 from pagewise.engine.grammar_matcher import GrammarTokenizer, advance
+from pagewise.engine.host_memory import keep_freed_memory
 from pagewise.engine.kv_budget import DeviceMemory, cuda_kv_cache_bytes, peak_activation_bytes
 from pagewise.engine.kv_cache_manager import KVCacheManager
 from pagewise.engine.limits import PromptLimits, check_priority, prompt_token_ids
@@ -79,6 +80,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         budget = config.resolve_kv_cache_bytes()
         at_start = DeviceMemory.read(self.device) if budget is None else None
         self.precision = precision = config.resolve_precision()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
 from pagewise import kernels
 from pagewise.engine.adapter_slots import AdapterSlots
+from pagewise.engine.host_memory import backed_zeros
 from pagewise.engine.kv_cache_manager import BlockOp
 from pagewise.engine.models.llama import AttentionMetadata, ForwardPass, LlamaForCausalLM
 from pagewise.engine.request import Request
@@ -35,7 +34,7 @@ class KVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.num_swap_blocks = num_swap_blocks
         if device.type == "cpu":
-            caches = _huge_page_zeros(shape, dtype, 2 * num_layers)
+            caches = backed_zeros(shape, dtype, 2 * num_layers)
             self.layers = [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
         else:
             self.layers = [
@@ -87,20 +86,6 @@ class KVCache:
             else:
                 kernels.swap_blocks(host_k, dev_k, mapping)
                 kernels.swap_blocks(host_v, dev_v, mapping)
-
-
-def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
-    """``count`` zero CPU tensors of ``shape``, carved from one anonymous mapping that the kernel is asked to
-    back with 2 MiB pages (``MADV_HUGEPAGE``; transparent huge pages are often enabled only on request). The
-    attention kernels read a sequence's blocks scattered over the whole cache: with 4 KiB pages nearly every
-    block costs a TLB miss. Where huge pages are unavailable the mapping is an ordinary one."""
-    numel = math.prod(shape)
-    size = count * numel * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, max(size, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(region, dtype=dtype, count=count * numel)
-    return [flat[i * numel : (i + 1) * numel].view(shape) for i in range(count)]
 
 
 @dataclass(slots=True)
