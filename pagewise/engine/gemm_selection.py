@@ -11,7 +11,7 @@ of another kind measures anew. A named path is used as given, after checking tha
 With the bands chosen, ``auto`` also measures how many rows of a step the compiled few-rows product
 (``cpu_ops.linear_few_rows``) beats the smallest rows' path for, where that product runs for the dtype
 (``few_rows``: 0 where it does not, or where it is slower even for one row): the model's weights streamed from
-memory as in a step (``time_few_rows``), at 1 to 16 rows. That limit depends on the CPU's memory system and the
+memory as in a step (``time_few_rows``), at 1 to 64 rows. That limit depends on the CPU's memory system and the
 library's kernels as much as on the instructions, so it is measured, not assumed. A named path runs every
 product on that path (the off switch for comparisons).
 """
@@ -44,7 +44,7 @@ from pagewise.kernels.gemm import (
 AUTO = "auto"
 CHOICES = (AUTO, *(path.value for path in GemmPath))
 TIMED_ROWS = (4, 64, 512)  # tokens in a step: a few decodes, a full decode batch, a prefill chunk
-FEW_ROWS_TIMED = (1, 2, 4, 8, 16)  # the row counts the few-rows product is timed at
+FEW_ROWS_TIMED = (1, 2, 4, 8, 16, 32, 64)  # the row counts the few-rows product is timed at
 LM_HEAD_ROWS = 64  # the LM head runs on one row per sequence: a 512-token prefill chunk samples a few
 
 _logger = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ The paths compute the same product; they differ in the library and in the weight
 A product of only a few rows (a decode step at low load) can go instead to the compiled ``linear_few_rows``
 (``PackedWeight``'s ``few_rows``): at a handful of rows the product is the time to stream the weights, and the
 libraries' kernels, blocked for many rows, stream them at two thirds to three quarters of the rate a plain pass
-reaches (docs/benchmarks.md). It reads the dense weight the path keeps anyway: bf16 on an AVX512-BF16 CPU, float32
-on any with AVX2 and FMA. How many rows it pays for differs between CPUs; ``time_few_rows`` measures it on a
-model's own weights, streamed from memory as a step streams them.
+reaches (docs/benchmarks.md). It reads the dense weight the path keeps anyway: bf16 on an AVX512-BF16 CPU (on AMX
+tiles where the CPU has them), float32 on any with AVX2 and FMA. How many rows it pays for differs between CPUs;
+``time_few_rows`` measures it on a model's own weights, streamed from memory as a step streams them.
 
 Which path is fastest can change with the number of rows (on an AMX Xeon oneDNN's packed product is twice
 MKL's at 4 and 64 rows and level with it at 512): a ``GemmPlan`` names a path per band of row counts, each

@@ -508,6 +508,15 @@ PAGEWISE_AMX inline void tile_accumulate(int dst) {
     }
 }
 
+PAGEWISE_AMX inline void tile_zero(int dst) {
+    switch (dst) {
+        case 2: _tile_zero(2); break;
+        case 3: _tile_zero(3); break;
+        case 4: _tile_zero(4); break;
+        default: _tile_zero(5); break;
+    }
+}
+
 PAGEWISE_AMX inline void tile_store(int src, float* dst, int64_t stride) {
     switch (src) {
         case 2: _tile_stored(2, dst, stride); break;
@@ -634,14 +643,7 @@ void attend_sequence_amx(const float* queries, const uint16_t* key_cache, const 
         _tile_loadconfig(&summing);
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
             const int64_t outputs = std::min<int64_t>(4, (head_dim - d0) / 16);  // 2 or 4: head_dim % 32 == 0
-            for (int64_t c = 0; c < outputs; ++c) {
-                switch (c) {
-                    case 0: _tile_zero(2); break;
-                    case 1: _tile_zero(3); break;
-                    case 2: _tile_zero(4); break;
-                    default: _tile_zero(5); break;
-                }
-            }
+            for (int64_t c = 0; c < outputs; ++c) tile_zero(2 + c);
             for (int64_t t0 = 0; t0 < padded; t0 += 32) {
                 for (int64_t ahead = t0 == 0 ? 0 : AMX_AHEAD; ahead <= AMX_AHEAD; ahead += 16)
                     for (int64_t t = t0 + ahead; t < t0 + ahead + 32; t += 16)
@@ -1847,12 +1849,91 @@ void f32_dot_rows(const float* x, int64_t rows, const float* w, int64_t n, int64
 }
 #endif
 
+#if defined(__x86_64__)
+// ---- a projection of a few rows on AMX tiles
+//
+// The transposed product, sixteen outputs at a time: sixteen weight rows are one tile read where they lie (A: 16
+// rows x 32 inputs, so the weight streams from memory once per call, in long runs per row), the input rows the
+// other (B: 16 pairs of inputs x 16 rows, laid out once per call), and C holds 16 outputs x 16 rows in float32.
+// Up to `AMX_ROW_TILES` tiles of rows share each weight tile. Products of bf16 pairs are exact and summed in
+// float32, as the AVX512-BF16 loop sums them (in another order).
+constexpr int64_t AMX_ROW_TILES = 4;
+
+// The tile configuration of the product: A and B, then up to four tiles of sums, 16 rows of 64 bytes each.
+inline TileConfig amx_product_tiles() {
+    TileConfig config;
+    for (int t = 0; t < 2 + AMX_ROW_TILES; ++t) config.set(t, 16, 64);
+    return config;
+}
+
+// A thread's tile state for the product: configured when made, released when done.
+struct AmxProductState {
+    alignas(64) float sums[256];
+    PAGEWISE_AMX explicit AmxProductState(const TileConfig& config) { _tile_loadconfig(&config); }
+    AmxProductState(AmxProductState&&) = delete;
+    PAGEWISE_AMX ~AmxProductState() { _tile_release(); }
+};
+
+// `x` (rows x in bf16) as the B tiles of the product: for tile of rows i and chunk c of 32 inputs, 16 pairs of
+// inputs x 16 rows (uint32: a pair of bf16), zeros past the last row.
+PAGEWISE_AMX
+void amx_input_pairs(const uint16_t* x, int64_t rows, int64_t in, uint32_t* pairs) {
+    const int64_t chunks = in / 32, tiles = (rows + 15) / 16;
+    std::fill(pairs, pairs + tiles * chunks * 256, 0u);
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < chunks; ++c)
+            _mm512_i32scatter_epi32(pairs + ((r / 16) * chunks + c) * 256 + r % 16, across,
+                                    _mm512_loadu_si512(x + r * in + 32 * c), 4);
+}
+
+// Sixteen float32 lanes as bf16, rounded to nearest even (as `narrow`).
+PAGEWISE_AMX inline __m256i narrow16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+PAGEWISE_AMX inline void store_outputs(__m512 v, float* y) { _mm512_storeu_ps(y, v); }
+PAGEWISE_AMX inline void store_outputs(__m512 v, uint16_t* y) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), narrow16(v)); }
+
+// Outputs j0 .. j0 + 15 of every row: y[r][j0 + j] = w_{j0 + j} . x_r (+ bias[j0 + j]); `w` the weight (out x in
+// bf16, in a multiple of 32), `pairs` from `amx_input_pairs`.
+template <typename Out>
+PAGEWISE_AMX void amx_product_block(const uint16_t* w, int64_t in, int64_t j0, const uint32_t* pairs, int64_t rows,
+                                    const float* bias, Out* y, int64_t out, float* sums) {
+    const int64_t chunks = in / 32, tiles = (rows + 15) / 16;
+    const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const uint16_t* block = w + j0 * in;
+    for (int64_t t0 = 0; t0 < tiles; t0 += AMX_ROW_TILES) {
+        const int64_t count = std::min(AMX_ROW_TILES, tiles - t0);
+        for (int64_t i = 0; i < count; ++i) tile_zero(2 + i);
+        for (int64_t c = 0; c < chunks; ++c) {
+            _tile_loadd(0, block + 32 * c, in * sizeof(uint16_t));
+            for (int64_t i = 0; i < count; ++i) {
+                _tile_loadd(1, pairs + ((t0 + i) * chunks + c) * 256, 64);
+                tile_accumulate(2 + i);
+            }
+        }
+        for (int64_t i = 0; i < count; ++i) {
+            tile_store(2 + i, sums, 64);  // sums[j * 16 + r]: output j0 + j of row (t0 + i) * 16 + r
+            const int64_t first = (t0 + i) * 16;
+            for (int64_t r = 0; r < std::min<int64_t>(16, rows - first); ++r)
+                store_outputs(_mm512_add_ps(_mm512_i32gather_ps(column, sums + r, 4), b), y + (first + r) * out + j0);
+        }
+    }
+}
+#endif
+
 // ---- projections of a few rows (a decode step at low load): y = x W^T + b, W [out, in] float32 or bf16 as it lies
 // (the dense weight a packed matmul path keeps beside its blocked one). A step of a handful of rows does little
 // arithmetic per weight, so its time is the time to stream the weights; this reads each block of 64 weight rows
 // once for all the input rows (four input rows at a time, the block held in cache between them), the inputs
 // converted to the weight's dtype once. A bf16 weight takes exact bf16 products (`bf16_dot_rows`, AVX512-BF16), a
-// float32 one float32 products (`f32_dot_rows`, AVX2 and FMA). Sums in float32; the bias (float32) added to them,
+// float32 one float32 products (`f32_dot_rows`, AVX2 and FMA); on an AMX CPU a bf16 weight whose shapes the tiles
+// take goes through `amx_product_block` instead. Sums in float32; the bias (float32) added to them,
 // then the result stored in `out_dtype` (a bf16 result rounded once, to nearest even). How many rows it pays for
 // is the caller's to measure (`pagewise/engine/gemm_selection.py`).
 constexpr int64_t FEW_ROWS_BLOCK = 64;
@@ -1876,6 +1957,20 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
     at::Tensor y = at::empty({rows, out}, x.options().dtype(out_dtype));
     const float* bp = b ? b->data_ptr<float>() : nullptr;
+    if (bf16 && cpu_has_amx_bf16() && in % 32 == 0 && out % 16 == 0) {
+        std::vector<uint32_t> pairs((rows + 15) / 16 * (in / 32) * 256);
+        amx_input_pairs(elements<const uint16_t>(xc), rows, in, pairs.data());
+        const TileConfig config = amx_product_tiles();
+        const uint16_t* wp = elements<const uint16_t>(weight);
+        auto run_tiles = [&](auto* yp) {
+            claim_in_turn(out / 16, [&] { return AmxProductState(config); }, [&](int64_t block, AmxProductState& state) {
+                amx_product_block(wp, in, block * 16, pairs.data(), rows, bp, yp, out, state.sums);
+            });
+        };
+        if (out_dtype == at::kBFloat16) run_tiles(reinterpret_cast<uint16_t*>(y.data_ptr()));
+        else run_tiles(y.data_ptr<float>());
+        return y;
+    }
     // sums[r * FEW_ROWS_BLOCK + j] = x_{r0 + r} . w_{j0 + j} for r < m and j < n; no weight row from `end_row` on
     // (another thread's) is prefetched
     auto dot_rows = [&](int64_t r0, int64_t m, int64_t j0, int64_t n, float* sums, int64_t end_row) {

@@ -162,7 +162,7 @@ FEW_ROWS_DTYPES = [
 
 
 @pytest.mark.parametrize("dtype", FEW_ROWS_DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 17, 64, 70])  # AMX: one tile of rows, several, past four
 @pytest.mark.parametrize(("d_in", "d_out"), [(576, 960), (41, 70)])  # (41, 70): a masked step, a partial block
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
