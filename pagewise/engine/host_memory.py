@@ -1,8 +1,8 @@
 """How a CPU engine holds its memory: a KV cache backed before the first step, and freed activations kept.
 
 Both remove page faults from the steps. A page the process touches for the first time costs a fault and the
-kernel's zeroing of it (about 2 µs per 4 KiB page on the machines measured, where transparent huge pages are not
-granted); the offline mixed run of 64 requests took some 400,000 of them in its steps, from two sources:
+kernel's zeroing of it; the offline mixed run of 64 requests took some 480,000 of them in its steps (about 48,000
+after), from two sources:
 
 - the KV cache, a mapping of several GiB whose blocks are first written one step at a time;
 - the activations, freed and allocated again every step: glibc serves allocations above its mmap threshold with
