@@ -47,10 +47,12 @@ def _triton():
 
 
 _IMPLS = {"cpu": cpu_ops, "torch": reference}
+_BF16_TOO = (torch.float32, torch.bfloat16)  # ops whose compiled form also takes a bf16 projection's output
 
 
 def _impl(tensor: torch.Tensor, cache: torch.Tensor):
-    backend = backend_for(tensor, cache)
+    """The cache ops' backend: their compiled forms take float32 or bf16 activations (a bf16 projection's)."""
+    backend = backend_for(tensor, cache, _BF16_TOO)
     return _triton() if backend == "triton" else _IMPLS[backend]
 
 
@@ -64,9 +66,6 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     return _impl(query, key_cache).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
     )
-
-
-_BF16_TOO = (torch.float32, torch.bfloat16)  # ops whose compiled form also takes a bf16 projection's output
 
 
 def _fused(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
@@ -92,7 +91,7 @@ def residual_add(residual, delta) -> None:
 
 def rotary_embedding(positions, query, key, cos, sin):
     """Rotary embedding of query and key; returns them rotated. See ``reference.rotary_embedding``."""
-    return _fused(query).rotary_embedding(positions, query, key, cos, sin)
+    return _fused(query, _BF16_TOO).rotary_embedding(positions, query, key, cos, sin)
 
 
 def silu_and_mul(gate_up):

@@ -4,11 +4,13 @@ The ops keep ``reference``'s contracts (``rotary_embedding`` rotates its inputs 
 
 ``available()`` loads the library built by ``python -m pagewise.kernels.cpu_build``; if it is missing or fails to
 load, it warns once and answers False, and the CPU path runs the torch reference instead. The compiled ops take
-float32 activations (and bf16 where an op says so) and float32 or bfloat16 caches; ``paged_attention`` runs decode
-rows (one query token) through the compiled op, and prefill chunks through the compiled mixed op over a bf16 cache
-where it runs (``bf16_prefill_compiled``), else through the reference's per-sequence attention, so every path
-computes the same function as ``reference.paged_attention`` (to float32 rounding, or to bf16 over a bf16 cache:
-the compiled ops sum in a different order and round the scaled query to bf16).
+float32 activations (and bf16 where an op says so: the norm's output, SiLU-and-multiply, the residual add's delta,
+the rotary embedding, the cache write, attention's query and result) and float32 or bfloat16 caches;
+``paged_attention`` runs decode rows (one query token) through the compiled op, and prefill chunks through the
+compiled mixed op over a bf16 cache where it runs (``bf16_prefill_compiled``), else through the reference's
+per-sequence attention, so every path computes the same function as ``reference.paged_attention`` (to float32
+rounding, or to bf16 over a bf16 cache: the compiled ops sum in a different order and round the scaled query to
+bf16).
 """
 
 from __future__ import annotations
@@ -118,13 +120,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
 
 
 def mixed_attention_runs(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ``paged_attention_mixed`` takes this step: a float32 query over a bf16 cache, head_dim a multiple
-    of 32 up to 256, at most 8 query heads per kv head, on a CPU where the compiled prefill runs
+    """Whether ``paged_attention_mixed`` takes this step: a float32 or bf16 query over a bf16 cache, head_dim a
+    multiple of 32 up to 256, at most 8 query heads per kv head, on a CPU where the compiled prefill runs
     (``bf16_prefill_compiled``)."""
     head_dim, group = query.shape[-1], query.shape[-2] // key_cache.shape[1]
     return (
         key_cache.dtype == torch.bfloat16
-        and query.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
         and head_dim % 32 == 0
         and head_dim <= 256
         and group <= 8

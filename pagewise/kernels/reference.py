@@ -154,10 +154,11 @@ def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding of query ``[tokens, heads, dim]`` and key ``[tokens, kv_heads, dim]``; token
-    ``t`` uses row ``positions[t]`` of the ``[max_positions, dim]`` fp32 tables. Returns new tensors."""
-    c = cos[positions].unsqueeze(1).to(query.dtype)
-    s = sin[positions].unsqueeze(1).to(query.dtype)
-    return query * c + _rotate_half(query) * s, key * c + _rotate_half(key) * s
+    ``t`` uses row ``positions[t]`` of the ``[max_positions, dim]`` fp32 tables. Computed in fp32; new tensors in
+    the inputs' dtype (a bf16 result rounded once)."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q, k = query.float(), key.float()
+    return (q * c + _rotate_half(q) * s).to(query.dtype), (k * c + _rotate_half(k) * s).to(key.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -187,15 +187,20 @@ class Attention(nn.Module):
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Attention of ``hidden`` (the normed residual rows, in the model's or the projections' dtype); the
-        result in the projections' dtype, to be added to the residual stream."""
+        result in the projections' dtype, to be added to the residual stream.
+
+        Q, K and V stay in the projections' dtype where the cache holds that dtype (bf16 projections over a bf16
+        cache: the cache rounds K and V to it anyway and attention rounds its scaled query to it), else they come
+        out in the model's. Rotary, the cache write and attention compute in fp32 either way."""
         num_tokens = hidden.shape[0]
-        model_dtype = self.o_proj.weight.dtype  # rotary, the cache write and attention run in it
-        q, k, v = self.qkv_proj(hidden, model_dtype, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        key_cache, value_cache = kv_cache
+        projected = self.qkv_proj.compute_dtype
+        qkv_dtype = projected if projected == key_cache.dtype else self.o_proj.weight.dtype
+        q, k, v = self.qkv_proj(hidden, qkv_dtype, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        key_cache, value_cache = kv_cache
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale

@@ -5,7 +5,8 @@
 // Layout (same as pagewise/kernels/reference.py): each layer's key and value caches are contiguous
 // [num_blocks, num_kv_heads, block_size, head_dim]; the slot of a token is block_id * block_size + offset.
 // Activations are float32, except where an op says it takes or gives the bf16 input or output of a bf16
-// projection (RMSNorm's output, SiLU-and-multiply, the residual add's delta). The KV cache is float32 or bfloat16: a bf16 cache is read as float32 (a bf16 value is
+// projection (RMSNorm's output, SiLU-and-multiply, the residual add's delta, the rotary embedding, the cache
+// write and attention's query and result). The KV cache is float32 or bfloat16: a bf16 cache is read as float32 (a bf16 value is
 // the top half of a float32's bits) and written rounded to nearest even, as torch's conversion rounds; the
 // attention itself computes in float32 either way. Callers fall back to the torch reference for other dtypes.
 //
@@ -49,6 +50,36 @@ inline void narrow(float x, uint16_t* out) {
     std::memcpy(&word, &x, sizeof word);
     word += 0x7FFFu + ((word >> 16) & 1u);
     *out = static_cast<uint16_t>(word >> 16);
+}
+
+// An activation row element as float32 (a float, or a bf16's bits).
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+    const uint32_t word = static_cast<uint32_t>(x) << 16;
+    float out;
+    std::memcpy(&out, &word, sizeof out);
+    return out;
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void widen_row_body(const T* src, int64_t n, float* dst) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+PAGEWISE_CLONES
+void widen_row(const float* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
+
+PAGEWISE_CLONES
+void widen_row(const uint16_t* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
+
+// A row as bf16: copied, or rounded to nearest even.
+void bf16_row(const uint16_t* src, int64_t n, uint16_t* dst) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
+
+PAGEWISE_CLONES
+void bf16_row(const float* src, int64_t n, uint16_t* dst) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) narrow(src[i], dst + i);
 }
 
 // Rows of one kv head inside one block: `count` (<= block_size) consecutive tokens of a block are contiguous.
@@ -241,7 +272,7 @@ bool cpu_has_bf16_dot() {
 constexpr float EXP_FLOOR = -87.f, LOG2E = 1.44269504088896341f, LN2_HIGH = 0.693359375f, LN2_LOW = -2.12194440e-4f;
 constexpr float EXP_TAYLOR[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
 
-PAGEWISE_BF16_DOT inline __m512 exp_nonpositive(__m512 x) {
+PAGEWISE_AVX512 inline __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -1045,14 +1076,50 @@ at::Tensor query_rows(const at::Tensor& query) {
     return query.stride(2) == 1 && query.stride(1) == query.size(2) ? query : query.contiguous();
 }
 
+// The attention ops take a float32 or bf16 query (a bf16 projection's output) and give their result in its
+// dtype; they compute in float32. A bf16 query's rows are widened once (exactly) into float32 rows side by side,
+// and the float32 result is rounded once to nearest even: so a bf16 query's result is bit for bit the float32
+// query's rounded.
+void check_query(const at::Tensor& query, const char* shape) {
+    TORCH_CHECK((query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) && query.dim() == 3,
+                "query must be float32 or bfloat16 ", shape);
+}
+
+at::Tensor float_query(const at::Tensor& query) {
+    if (query.scalar_type() == at::kFloat) return query_rows(query);
+    const auto rows = query.stride(2) == 1 ? query : query.contiguous();
+    auto q = at::empty(rows.sizes(), rows.options().dtype(at::kFloat));
+    const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
+    const uint16_t* src = elements<const uint16_t>(rows);
+    float* dst = q.data_ptr<float>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t h = 0; h < heads; ++h)
+                widen_row(src + t * rows.stride(0) + h * rows.stride(1), dim, dst + (t * heads + h) * dim);
+    });
+    return q;
+}
+
+at::Tensor in_query_dtype(const at::Tensor& out, const at::Tensor& query) {
+    if (query.scalar_type() == at::kFloat) return out;
+    auto narrowed = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
+    const int64_t tokens = out.size(0), row = out.numel() / std::max<int64_t>(tokens, 1);
+    const float* src = out.data_ptr<float>();
+    uint16_t* dst = elements<uint16_t>(narrowed);
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+        bf16_row(src + begin * row, (end - begin) * row, dst + begin * row);
+    });
+    return narrowed;
+}
+
 // query [num_seqs, num_heads, head_dim]: one token per sequence, at position seq_lens[s] - 1 (already cached).
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
     check_caches(key_cache, value_cache);
-    TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query must be float32 [seqs, heads, dim]");
+    check_query(query, "[seqs, heads, dim]");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 2-D");
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
-    const auto q = query_rows(query);
+    const auto q = float_query(query);
     const auto tables = block_tables.contiguous();
     const auto lens = seq_lens.contiguous();
     const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -1099,7 +1166,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
                                          num_kv_heads, block_size, head_dim, group, static_cast<float>(scale),
                                          state.first.data(), state.second.data(), out_ptr + s * num_heads * head_dim);
             });
-            return out;
+            return in_query_dtype(out, query);
         }
 #endif
         attend_units(portable, k_ptr, v_ptr, group * longest, 16 * head_dim);
@@ -1109,12 +1176,12 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 #if defined(__x86_64__)
         if (!cpu_has_avx512() && cpu_has_avx2_fma() && head_dim % 8 == 0) {
             attend_units(attend_unit_f32_avx2, k_ptr, v_ptr, group * longest, group * head_dim);
-            return out;
+            return in_query_dtype(out, query);
         }
 #endif
         attend_units(portable, k_ptr, v_ptr, group * longest, 16 * head_dim);
     }
-    return out;
+    return in_query_dtype(out, query);
 }
 
 // query [num_tokens, num_heads, head_dim]: sequence s's new tokens are rows query_start_loc[s] ..
@@ -1129,12 +1196,12 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
     check_caches(key_cache, value_cache);
     TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot(),
                 "paged_attention_mixed takes a bf16 cache on a CPU with AVX512-BF16");
-    TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query must be float32 [tokens, heads, dim]");
+    check_query(query, "[tokens, heads, dim]");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 2-D");
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "seq_lens must be int32 1-D");
     TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1,
                 "query_start_loc must be int32 1-D");
-    const auto q = query_rows(query);
+    const auto q = float_query(query);
     const auto tables = block_tables.contiguous();
     const auto lens = seq_lens.contiguous();
     const auto starts = query_start_loc.contiguous();
@@ -1204,27 +1271,28 @@ at::Tensor paged_attention_mixed(const at::Tensor& query, const at::Tensor& key_
                                   out_stride);
         }
     });
-    return out;
+    return in_query_dtype(out, query);
 #else
     TORCH_CHECK(false, "paged_attention_mixed needs an x86-64 CPU");
 #endif
 }
 
-// One cache row: `n` floats stored as the cache's element (rounded to nearest even for bf16); a plain loop of
-// integer operations, built for several instruction sets so it is vectorized.
+// One cache row: `n` float32 or bf16 activations stored as the cache's element (rounded to nearest even from
+// float32 to bf16, widened exactly from bf16 to float32); a plain loop, built for several instruction sets so it is
+// vectorized.
 PAGEWISE_CLONES void store_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
-PAGEWISE_CLONES void store_row(const float* src, int64_t n, uint16_t* dst) {
-    for (int64_t d = 0; d < n; ++d) narrow(src[d], dst + d);
-}
+void store_row(const float* src, int64_t n, uint16_t* dst) { bf16_row(src, n, dst); }
+void store_row(const uint16_t* src, int64_t n, uint16_t* dst) { bf16_row(src, n, dst); }
+void store_row(const uint16_t* src, int64_t n, float* dst) { widen_row(src, n, dst); }
 
 // Tokens per thread of the cache write: a decode step's few tokens are written by one thread, a prefill chunk's
 // by all.
 constexpr int64_t WRITE_GRAIN = 256;
 
-// Token i's key and value rows of every kv head (at src + i * token_stride + h * head_stride, head_dim floats
+// Token i's key and value rows of every kv head (at src + i * token_stride + h * head_stride, head_dim elements
 // each) into slot `slots[i]` of caches of element `T`; slot -1 skipped.
-template <typename T>
-void write_slots(const float* src_k, const float* src_v, int64_t k_token_stride, int64_t v_token_stride,
+template <typename S, typename T>
+void write_slots(const S* src_k, const S* src_v, int64_t k_token_stride, int64_t v_token_stride,
                  int64_t k_head_stride, int64_t v_head_stride, const int64_t* slots, int64_t num_tokens,
                  int64_t num_kv_heads, int64_t block_size, int64_t head_dim, T* dst_k, T* dst_v) {
     at::parallel_for(0, num_tokens, WRITE_GRAIN, [&](int64_t begin, int64_t end) {
@@ -1241,12 +1309,14 @@ void write_slots(const float* src_k, const float* src_v, int64_t k_token_stride,
     });
 }
 
-// key/value [num_tokens, num_kv_heads, head_dim] (each row contiguous; the tokens and heads may be strided, as
-// the QKV projection's split leaves them) into their slots; slot -1 is skipped.
+// key/value [num_tokens, num_kv_heads, head_dim], float32 or both bf16 (each row contiguous; the tokens and heads
+// may be strided, as the QKV projection's split leaves them) into their slots; slot -1 is skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
     check_caches(key_cache, value_cache);
-    TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key/value must be float32");
+    const bool bf16 = key.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((bf16 || key.scalar_type() == at::kFloat) && value.scalar_type() == key.scalar_type(),
+                "key/value must be float32 or both bfloat16");
     TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [tokens, kv_heads, head_dim]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
     const auto k = key.stride(2) == 1 ? key : key.contiguous();
@@ -1260,14 +1330,16 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     for (int64_t i = 0; i < num_tokens; ++i) {
         TORCH_CHECK(slot_ptr[i] >= -1 && slot_ptr[i] < num_slots, "slot_mapping out of the cache");
     }
-    const float* src_k = k.data_ptr<float>();
-    const float* src_v = v.data_ptr<float>();
-    auto write = [&](auto* dst_k, auto* dst_v) {
-        write_slots(src_k, src_v, k.stride(0), v.stride(0), k.stride(1), v.stride(1), slot_ptr, num_tokens,
-                    num_kv_heads, block_size, head_dim, dst_k, dst_v);
+    auto write = [&](const auto* src_k, const auto* src_v) {
+        auto into = [&](auto* dst_k, auto* dst_v) {
+            write_slots(src_k, src_v, k.stride(0), v.stride(0), k.stride(1), v.stride(1), slot_ptr, num_tokens,
+                        num_kv_heads, block_size, head_dim, dst_k, dst_v);
+        };
+        if (key_cache.scalar_type() == at::kBFloat16) into(elements<uint16_t>(key_cache), elements<uint16_t>(value_cache));
+        else into(elements<float>(key_cache), elements<float>(value_cache));
     };
-    if (key_cache.scalar_type() == at::kBFloat16) write(elements<uint16_t>(key_cache), elements<uint16_t>(value_cache));
-    else write(elements<float>(key_cache), elements<float>(value_cache));
+    if (bf16) write(elements<const uint16_t>(k), elements<const uint16_t>(v));
+    else write(k.data_ptr<float>(), v.data_ptr<float>());
 }
 
 // ---- fused per-token ops (computed in float32, one parallel pass over rows)
@@ -1275,15 +1347,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // Activations between two projections may be bf16 (under dtype auto, where the projections run in bf16): such a
 // row is widened to float32 on load and rounded to nearest even on store, inside the op's own loop, so the
 // result is bit for bit the float32 op followed by torch's conversion, without a separate pass over the row.
-
-// An activation row element as float32 (a float, or a bf16's bits).
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-    const uint32_t word = static_cast<uint32_t>(x) << 16;
-    float out;
-    std::memcpy(&out, &word, sizeof out);
-    return out;
-}
 
 template <typename Out>
 inline __attribute__((always_inline)) void rms_norm_body(const float* x, const float* weight, float eps,
@@ -1368,22 +1431,31 @@ void residual_add(at::Tensor& residual, const at::Tensor& delta) {
     }
 }
 
-PAGEWISE_CLONES
-void rotate_row(float* x, const float* cos, const float* sin, int64_t half) {
+template <typename T>
+inline __attribute__((always_inline)) void rotate_row_body(T* x, const float* cos, const float* sin, int64_t half) {
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
+        const float a = widen(x[i]), b = widen(x[i + half]);
+        narrow(a * cos[i] - b * sin[i], x + i);
+        narrow(b * cos[i + half] + a * sin[i + half], x + i + half);
     }
 }
 
+PAGEWISE_CLONES
+void rotate_row(float* x, const float* cos, const float* sin, int64_t half) { rotate_row_body(x, cos, sin, half); }
+
+PAGEWISE_CLONES
+void rotate_row(uint16_t* x, const float* cos, const float* sin, int64_t half) { rotate_row_body(x, cos, sin, half); }
+
 // Rotary embedding (rotate-half form) in place on query [tokens, heads, dim] and key [tokens, kv_heads, dim]
-// views: token t uses row positions[t] of the [max_positions, dim] cos/sin tables. Heads' rows must be contiguous.
+// views, float32 or both bf16 (a bf16 projection's output: rotated in float32, rounded once): token t uses row
+// positions[t] of the [max_positions, dim] cos/sin tables. Heads' rows must be contiguous.
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
                       const at::Tensor& sin) {
-    TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && query.dim() == 3 &&
-                    key.dim() == 3, "rotary_embedding takes float32 [tokens, heads, dim] query and key");
+    const bool bf16 = query.scalar_type() == at::kBFloat16;
+    TORCH_CHECK((bf16 || query.scalar_type() == at::kFloat) && key.scalar_type() == query.scalar_type() &&
+                    query.dim() == 3 && key.dim() == 3,
+                "rotary_embedding takes float32 or bfloat16 [tokens, heads, dim] query and key of one dtype");
     TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && query.stride(1) == query.size(2) &&
                     key.stride(1) == key.size(2), "query and key heads must be contiguous rows");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
@@ -1396,15 +1468,18 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     for (int64_t t = 0; t < tokens; ++t)
         TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_positions, "position out of the rotary tables");
     const int64_t q_heads = query.size(1), k_heads = key.size(1), q_stride = query.stride(0), k_stride = key.stride(0);
-    float *q_ptr = query.data_ptr<float>(), *k_ptr = key.data_ptr<float>();
     const float *cos_ptr = cos.data_ptr<float>(), *sin_ptr = sin.data_ptr<float>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-            const float *c = cos_ptr + pos_ptr[t] * dim, *s = sin_ptr + pos_ptr[t] * dim;
-            for (int64_t h = 0; h < q_heads; ++h) rotate_row(q_ptr + t * q_stride + h * dim, c, s, dim / 2);
-            for (int64_t h = 0; h < k_heads; ++h) rotate_row(k_ptr + t * k_stride + h * dim, c, s, dim / 2);
-        }
-    });
+    auto rotate_all = [&](auto* q_ptr, auto* k_ptr) {
+        at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                const float *c = cos_ptr + pos_ptr[t] * dim, *s = sin_ptr + pos_ptr[t] * dim;
+                for (int64_t h = 0; h < q_heads; ++h) rotate_row(q_ptr + t * q_stride + h * dim, c, s, dim / 2);
+                for (int64_t h = 0; h < k_heads; ++h) rotate_row(k_ptr + t * k_stride + h * dim, c, s, dim / 2);
+            }
+        });
+    };
+    if (bf16) rotate_all(elements<uint16_t>(query), elements<uint16_t>(key));
+    else rotate_all(query.data_ptr<float>(), key.data_ptr<float>());
 }
 
 template <typename T>
@@ -1426,28 +1501,22 @@ void silu_and_mul_row(const uint16_t* gate, const uint16_t* up, int64_t size, ui
     silu_and_mul_body(gate, up, size, out);
 }
 
-// [rows, 2 * size] (gate then up) -> silu(gate) * up, [rows, size], in the input's dtype (float32 or bfloat16;
-// computed in float32, a bf16 result rounded once to nearest even).
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-    TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
-                    gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
-                "silu_and_mul takes a float32 or bfloat16 [rows, 2 * size] input");
-    const auto in = gate_up.contiguous();
-    const int64_t rows = in.size(0), size = in.size(1) / 2;
-    auto out = at::empty({rows, size}, in.options());
-    auto run_all = [&](const auto* in_ptr, auto* out_ptr) {
-        at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r)
-                silu_and_mul_row(in_ptr + r * 2 * size, in_ptr + r * 2 * size + size, size, out_ptr + r * size);
-        });
-    };
-    if (in.scalar_type() == at::kBFloat16) {
-        run_all(reinterpret_cast<const uint16_t*>(in.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()));
-    } else {
-        run_all(in.data_ptr<float>(), out.data_ptr<float>());
+#if defined(__x86_64__)
+// `silu_times` on eight float32 lanes.
+PAGEWISE_AVX2_FMA void silu_and_mul_row_avx2(const float* gate, const float* up, int64_t size, float* out) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+    int64_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp_nonpositive_avx2(_mm256_min_ps(g, _mm256_sub_ps(zero, g)));
+        const __m256 above = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, _mm256_div_ps(above, _mm256_add_ps(one, e))),
+                                                _mm256_loadu_ps(up + i)));
     }
-    return out;
+    silu_and_mul_row(gate + i, up + i, size - i, out + i);
 }
+#endif
+
 
 // ---- LoRA: each row's adapter delta, rows grouped by adapter slot (Punica's SGMV).
 //
@@ -1540,6 +1609,23 @@ PAGEWISE_AVX512 inline void store16(uint16_t* p, __m512 v, __mmask16 mask) {
 
 inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
+// silu(g) * u lane by lane: g * sigmoid(g), the sigmoid from e = e^-|g| (at most 1, so nothing overflows):
+// 1 / (1 + e) where g >= 0, e / (1 + e) below.
+PAGEWISE_AVX512 inline __m512 silu_times(__m512 g, __m512 u) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+    const __m512 e = exp_nonpositive(_mm512_min_ps(g, _mm512_sub_ps(zero, g)));
+    const __m512 above = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, zero, _CMP_GE_OQ), e, one);
+    return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(above, _mm512_add_ps(one, e))), u);
+}
+
+template <typename T>
+PAGEWISE_AVX512 void silu_and_mul_row_avx512(const T* gate, const T* up, int64_t size, T* out) {
+    for (int64_t i = 0; i < size; i += 16) {
+        const __mmask16 live = lanes_below(size - i);
+        store16(out + i, silu_times(load16(gate + i, live), load16(up + i, live)), live);
+    }
+}
+
 // `lora_shrink` on AVX-512 (float32 input rows; float32 or bf16 weights): four weight rows by the block's rows,
 // sixteen inputs a step (the last step masked), reduced together by `sum_lanes_of_16`.
 template <typename W>
@@ -1597,6 +1683,44 @@ PAGEWISE_AVX512 void lora_expand_add_avx512(const float* s, int64_t rows, int64_
 }
 #endif
 
+// [rows, 2 * size] (gate then up) -> silu(gate) * up, [rows, size], in the input's dtype (float32 or bfloat16;
+// computed in float32, a bf16 result rounded once to nearest even): sixteen lanes at a time on AVX-512, eight on
+// AVX2 for float32 (the exp of `exp_nonpositive`: within a few float32 ulps of the exact function), else a plain
+// loop.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+    TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
+                    gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+                "silu_and_mul takes a float32 or bfloat16 [rows, 2 * size] input");
+    const auto in = gate_up.contiguous();
+    const int64_t rows = in.size(0), size = in.size(1) / 2;
+    auto out = at::empty({rows, size}, in.options());
+    auto run_all = [&](const auto* in_ptr, auto* out_ptr, auto row) {
+        at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r)
+                row(in_ptr + r * 2 * size, in_ptr + r * 2 * size + size, size, out_ptr + r * size);
+        });
+    };
+    const bool bf16 = in.scalar_type() == at::kBFloat16;
+    const auto* bf16_in = reinterpret_cast<const uint16_t*>(in.data_ptr());
+    auto* bf16_out = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if defined(__x86_64__)
+    if (cpu_has_avx512()) {
+        auto row = [](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row_avx512(gate, up, n, o); };
+        if (bf16) run_all(bf16_in, bf16_out, row);
+        else run_all(in.data_ptr<float>(), out.data_ptr<float>(), row);
+        return out;
+    }
+    if (!bf16 && cpu_has_avx2_fma()) {
+        run_all(in.data_ptr<float>(), out.data_ptr<float>(), silu_and_mul_row_avx2);
+        return out;
+    }
+#endif
+    auto row = [](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row(gate, up, n, o); };
+    if (bf16) run_all(bf16_in, bf16_out, row);
+    else run_all(in.data_ptr<float>(), out.data_ptr<float>(), row);
+    return out;
+}
+
 constexpr int64_t LORA_TILE = 32;  // output columns whose sums a block keeps in registers across the rank rows
 
 // d[r * out + o] = sum over the part's rank rows j of s[r * rank + j] * b[j * out + o], for o in [lo, hi): a tile
@@ -1645,17 +1769,6 @@ void lora_expand(const float* s, int64_t rows, int64_t rank, const uint16_t* b, 
     lora_expand_body(s, rows, rank, b, out, j_lo, j_hi, lo, hi, d);
 }
 
-template <typename T>
-inline __attribute__((always_inline)) void widen_row_body(const T* src, int64_t n, float* dst) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
-}
-
-PAGEWISE_CLONES
-void widen_row(const float* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
-
-PAGEWISE_CLONES
-void widen_row(const uint16_t* src, int64_t n, float* dst) { widen_row_body(src, n, dst); }
 
 // Each element of a float32 row rounded to the nearest bf16 (kept as float32).
 PAGEWISE_CLONES
@@ -1668,14 +1781,6 @@ void round_to_bf16(float* row, int64_t n) {
     }
 }
 
-// A row as bf16: copied, or rounded to nearest even.
-void bf16_row(const uint16_t* src, int64_t n, uint16_t* dst) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
-
-PAGEWISE_CLONES
-void bf16_row(const float* src, int64_t n, uint16_t* dst) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) narrow(src[i], dst + i);
-}
 
 template <typename T>
 inline __attribute__((always_inline)) void add_scaled_body(T* y, const float* d, float scaling, int64_t lo, int64_t hi) {

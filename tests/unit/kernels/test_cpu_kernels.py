@@ -323,6 +323,24 @@ def test_fused_layer_ops_match_reference() -> None:
         cpu_ops.rotary_embedding(positions + max_positions, q, k, cos, sin)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_is_exact_to_float32_rounding_over_its_whole_range(dtype: torch.dtype) -> None:
+    """The vectorized SiLU (its own exp, the sigmoid from e^-|g| so nothing overflows) is within a few float32
+    ulps of the float64 function from -87 to 100 and at most 1e-34 from it below (where it is all but zero), on
+    rows of every length up to 40 (the masked tail of a vector)."""
+    gen = torch.Generator().manual_seed(8)
+    for size in range(1, 41):
+        gate = torch.empty(6, size).uniform_(-100, 100, generator=gen)
+        gate[0, : min(size, 8)] = torch.tensor([0.0, -0.0, 87.0, -87.0, -88.0, 1e-30, -1e-30, 100.0])[: min(size, 8)]
+        up = torch.randn(6, size, generator=gen) * 4
+        gate_up = torch.cat([gate, up], dim=1).to(dtype)
+        got = cpu_ops.silu_and_mul(gate_up)
+        exact = reference.silu_and_mul(gate_up.double()).float()
+        rounded = exact.to(dtype).float()  # a bf16 result is the float32 one rounded once
+        tolerance = 4e-7 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(got.float(), rounded, rtol=tolerance, atol=1e-34)
+
+
 def test_bf16_outputs_and_inputs_are_the_float32_op_rounded_once() -> None:
     """Under dtype auto the layer ops meet bf16 projections: RMSNorm writes bf16, SiLU-and-multiply reads and
     writes it, the residual add reads a bf16 delta. Each equals the float32 op on the widened input with its
@@ -386,3 +404,48 @@ def test_attention_reads_the_query_where_the_qkv_split_leaves_it(case: str, page
         out = cpu_ops.paged_attention(split, *args)
         assert out.is_contiguous()
         assert torch.equal(out, cpu_ops.paged_attention(batch.query, *args))
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed_gqa"])
+def test_a_bf16_projections_query_key_and_value_give_the_float32_results_rounded_once(case: str, paged_batch) -> None:
+    """Under dtype auto Q, K and V come out of the QKV projection in bf16 and stay so: the rotary embedding
+    rotates the bf16 views in float32 and rounds once, the cache write copies bf16 rows into a bf16 cache (and
+    widens them into a float32 one), and attention takes the bf16 query and gives its result in bf16 — each bit
+    for bit the float32 op on the widened input with the result rounded once."""
+    batch = paged_batch(*CASES[case], seed=11)
+    tokens, heads, head_dim = batch.query.shape
+    kv_heads = batch.key_cache.shape[1]
+    gen = torch.Generator().manual_seed(12)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).bfloat16()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(64, head_dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    wide_q, wide_k = cpu_ops.rotary_embedding(positions, q.float(), k.float(), cos, sin)
+    expected_q, expected_k = reference.rotary_embedding(positions, q.float(), k.float(), cos, sin)
+    v_before = v.clone()
+    assert kernels.backend_for(q, dtypes=(torch.float32, torch.bfloat16)) == "cpu"
+    got_q, got_k = kernels.rotary_embedding(positions, q, k, cos, sin)
+    assert got_q.dtype == got_k.dtype == torch.bfloat16 and got_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(got_q, wide_q.bfloat16()) and torch.equal(got_k, wide_k.bfloat16())
+    assert torch.equal(v, v_before)
+    for got, expected in ((got_q, expected_q), (got_k, expected_k)):
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-6)  # one bf16 ulp
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        cpu_ops.rotary_embedding(positions, q, k.float(), cos, sin)
+
+    slots = torch.randperm(batch.key_cache.shape[0] * batch.key_cache.shape[2], generator=gen)[:tokens]
+    slots[0] = -1
+    for dtype in (torch.bfloat16, torch.float32):
+        got = [torch.zeros(batch.key_cache.shape, dtype=dtype) for _ in range(2)]
+        want = [cache.clone() for cache in got]
+        kernels.reshape_and_cache(k, v, *got, slots)
+        reference.reshape_and_cache(k.float(), v.float(), *want, slots)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+    for caches in (batch.poisoned_caches(), [cache.bfloat16() for cache in batch.poisoned_caches()]):
+        args = (*caches, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale)
+        out = kernels.paged_attention(q, *args)
+        assert out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert torch.equal(out, cpu_ops.paged_attention(q.float(), *args).bfloat16())
