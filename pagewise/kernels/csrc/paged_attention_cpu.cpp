@@ -1694,30 +1694,30 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     const auto in = gate_up.contiguous();
     const int64_t rows = in.size(0), size = in.size(1) / 2;
     auto out = at::empty({rows, size}, in.options());
-    auto run_all = [&](const auto* in_ptr, auto* out_ptr, auto row) {
+    const bool bf16 = in.scalar_type() == at::kBFloat16;
+    // every row through `row`, on elements of one type
+    auto over = [&](auto row, const auto* in_ptr, auto* out_ptr) {
         at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
             for (int64_t r = begin; r < end; ++r)
                 row(in_ptr + r * 2 * size, in_ptr + r * 2 * size + size, size, out_ptr + r * size);
         });
     };
-    const bool bf16 = in.scalar_type() == at::kBFloat16;
-    const auto* bf16_in = reinterpret_cast<const uint16_t*>(in.data_ptr());
-    auto* bf16_out = reinterpret_cast<uint16_t*>(out.data_ptr());
+    // the same on the input's elements, `row` having an overload for each
+    auto run_all = [&](auto row) {
+        if (bf16) over(row, elements<const uint16_t>(in), elements<uint16_t>(out));
+        else over(row, in.data_ptr<float>(), out.data_ptr<float>());
+    };
 #if defined(__x86_64__)
     if (cpu_has_avx512()) {
-        auto row = [](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row_avx512(gate, up, n, o); };
-        if (bf16) run_all(bf16_in, bf16_out, row);
-        else run_all(in.data_ptr<float>(), out.data_ptr<float>(), row);
+        run_all([](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row_avx512(gate, up, n, o); });
         return out;
     }
     if (!bf16 && cpu_has_avx2_fma()) {
-        run_all(in.data_ptr<float>(), out.data_ptr<float>(), silu_and_mul_row_avx2);
+        over(silu_and_mul_row_avx2, in.data_ptr<float>(), out.data_ptr<float>());
         return out;
     }
 #endif
-    auto row = [](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row(gate, up, n, o); };
-    if (bf16) run_all(bf16_in, bf16_out, row);
-    else run_all(in.data_ptr<float>(), out.data_ptr<float>(), row);
+    run_all([](const auto* gate, const auto* up, int64_t n, auto* o) { silu_and_mul_row(gate, up, n, o); });
     return out;
 }
 
