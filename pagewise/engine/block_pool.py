@@ -1,4 +1,5 @@
-"""Physical KV blocks: ref counts, the LRU free queue and the prefix-cache map from block hash to block."""
+"""Physical KV blocks: ref counts, the LRU free queue, the prefix-cache map from block hash to block, and where a
+request's blocks are placed (runs of neighbouring blocks, in extents)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks. Its order is the eviction order: allocation takes the head.
+    """Doubly linked list of free blocks, least recently freed first: the eviction order where the pool's
+    placement leaves the choice to it (``BlockPool``).
 
-    Freed blocks join at the tail, so the least recently freed block is evicted first; removal of a block from
-    the middle (a prefix-cache hit on a free block) is O(1).
+    Freed blocks join at the tail; removal of a block from the middle (a prefix-cache hit on a free block, a
+    block placed next to its request's last one) is O(1).
     """
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
@@ -49,11 +51,11 @@ class FreeBlockQueue:
             yield node
             node = node.next_free
 
-    def popleft(self) -> KVBlock:
+    def head(self) -> KVBlock:
+        """The least recently freed block (not removed)."""
         block = self._head.next_free
         if block is self._tail:
             raise IndexError("no free blocks")
-        self.remove(block)
         return block
 
     def append(self, block: KVBlock) -> None:
@@ -69,31 +71,64 @@ class FreeBlockQueue:
         self._len -= 1
 
 
+# Tokens of KV a request's blocks are kept together in, where the engine sets the pool's extents
+# (``extent_blocks``). Decode attention on a CPU reads a sequence's blocks one after another; blocks scattered
+# 16 tokens apart read at about half the rate of neighbouring ones, runs of 128 tokens at nearly the full rate
+# (docs/benchmarks.md, "A sequence's blocks kept together").
+EXTENT_TOKENS = 128
+
+
+def extent_blocks(block_size: int) -> int:
+    """Blocks per extent for ``block_size``-token blocks: ``EXTENT_TOKENS`` of them, at least one."""
+    return max(1, EXTENT_TOKENS // block_size)
+
+
 class BlockPool:
     """All KV blocks of the engine. Invariant: ``num_free + blocks in use == num_blocks``; a block is in the free
-    queue exactly when its ref count is 0; every hash in the cache map points at a block carrying that hash."""
+    queue exactly when its ref count is 0; every hash in the cache map points at a block carrying that hash.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    Placement. With ``extent_blocks`` > 1 the block ids fall in extents of that many neighbours, and an allocation
+    given the block it follows (``after``: the requester's last block) takes, in this order: the block after that
+    one, if free and in the same extent or in a wholly free one; the first block of the extent that has been
+    wholly free the longest; the head of the free queue. So a request's blocks form runs as long as an extent
+    while wholly free extents remain, and the free queue's LRU order decides only once they are gone: extents
+    are evicted oldest-freed first, the blocks of an extent as a request grows into them. Placement never
+    refuses a block: any ``count <= num_free`` is served. With ``extent_blocks`` 1 allocation takes the free
+    queue's head, exact LRU.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, extent_blocks: int = 1) -> None:
+        if extent_blocks < 1:
+            raise ValueError(f"extent_blocks must be at least 1, got {extent_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.extent_blocks = extent_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        num_extents = -(-num_blocks // extent_blocks)
+        self._in_use = [0] * num_extents  # blocks with a reference, per extent
+        # Wholly free extents, in the order they became so (a dict as an ordered set: O(1) removal anywhere).
+        self._free_extents: dict[int, None] = dict.fromkeys(range(num_extents))
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    def allocate(self, count: int) -> list[KVBlock]:
-        """Take ``count`` blocks from the head of the free queue, evicting their cached hashes."""
+    def allocate(self, count: int, after: int | None = None) -> list[KVBlock]:
+        """Take ``count`` blocks, the first placed after block ``after`` where it can be (class docstring), each
+        next one after the one before; their cached hashes are evicted."""
         if count > self.num_free:
             raise ValueError(f"need {count} free blocks, have {self.num_free}")
         taken = []
         for _ in range(count):
-            block = self.free_queue.popleft()
+            block = self._place(after)
+            self.free_queue.remove(block)
             self._evict(block)
+            self._referenced(block)
             block.ref_count = 1
             taken.append(block)
+            after = block.block_id
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -101,6 +136,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self._referenced(block)
             block.ref_count += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -111,6 +147,41 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+                extent = block.block_id // self.extent_blocks
+                self._in_use[extent] -= 1
+                if self._in_use[extent] == 0:
+                    self._free_extents[extent] = None
+
+    def check_extents(self) -> list[int]:
+        """Extents whose bookkeeping disagrees with their blocks' ref counts (empty when it is right)."""
+        wrong = []
+        for extent, in_use in enumerate(self._in_use):
+            members = self.blocks[extent * self.extent_blocks : (extent + 1) * self.extent_blocks]
+            actual = sum(1 for b in members if b.ref_count > 0)
+            if in_use != actual or (extent in self._free_extents) != (actual == 0):
+                wrong.append(extent)
+        return wrong
+
+    def _place(self, after: int | None) -> KVBlock:
+        """The free block ``allocate`` takes next (class docstring); the pool has one."""
+        size = self.extent_blocks
+        if size == 1:
+            return self.free_queue.head()
+        if after is not None and after + 1 < self.num_blocks:
+            following = self.blocks[after + 1]
+            extent = following.block_id // size
+            if following.ref_count == 0 and (extent == after // size or extent in self._free_extents):
+                return following
+        if self._free_extents:
+            return self.blocks[next(iter(self._free_extents)) * size]
+        return self.free_queue.head()
+
+    def _referenced(self, block: KVBlock) -> None:
+        """Count a free block's first new reference in its extent."""
+        extent = block.block_id // self.extent_blocks
+        if self._in_use[extent] == 0:
+            del self._free_extents[extent]
+        self._in_use[extent] += 1
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None

@@ -6,7 +6,9 @@ Invariants kept here:
   last one is full;
 - a prefix hit never covers the last token of a request (it must be recomputed to produce logits);
 - a block with ``ref_count > 1`` is never written: the first write copies it (``block_ops`` gets a ``copy``);
-- freeing releases a request's blocks tail first, so its tail blocks are evicted before its head blocks.
+- freeing releases a request's blocks tail first, so its tail blocks are evicted before its head blocks;
+- a request's new blocks are placed after its last one (``BlockPool.allocate``'s ``after``), except right after a
+  prefix hit, whose last block sits among the blocks of the request that computed it.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class KVCacheManager:
         reusing_free = sum(1 for b in prefix if b.ref_count == 0)
         if max(num_needed, 0) + needs_copy + reusing_free > self.pool.num_free:
             return False
+        after = request.block_ids[-1] if request.block_ids and not prefix else None
         if prefix:
             self.pool.touch(prefix)
             request.block_ids.extend(b.block_id for b in prefix)
@@ -90,8 +93,9 @@ class KVCacheManager:
             request.num_registered_blocks = len(request.block_ids)
         if needs_copy:
             self._copy_on_write(request, write_index)
+            after = request.block_ids[-1]
         if num_needed > 0:
-            request.block_ids.extend(b.block_id for b in self.pool.allocate(num_needed))
+            request.block_ids.extend(b.block_id for b in self.pool.allocate(num_needed, after))
         return True
 
     def _copy_on_write(self, request: Request, index: int) -> None:
@@ -164,10 +168,12 @@ class KVCacheManager:
         wrong = [b.block_id for b in self.pool.blocks if b.ref_count != holders[b.block_id]]
         num_unreferenced = sum(1 for b in self.pool.blocks if b.ref_count == 0)
         slots = sorted(held_slots + self.swap.free_slots)
-        if wrong or num_unreferenced != self.pool.num_free or slots != list(range(self.swap.num_slots)):
+        extents = self.pool.check_extents()
+        if wrong or extents or num_unreferenced != self.pool.num_free or slots != list(range(self.swap.num_slots)):
             raise RuntimeError(
                 f"KV block accounting is broken: ref counts wrong for blocks {wrong[:8]}, "
                 f"{num_unreferenced} unreferenced blocks vs {self.pool.num_free} free, "
+                f"in-use counts wrong for extents {extents[:8]}, "
                 f"{len(slots)} swap slots accounted of {self.swap.num_slots}"
             )
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pagewise.engine.adapter_slots import AdapterSlots
-from pagewise.engine.block_pool import BlockPool
+from pagewise.engine.block_pool import BlockPool, extent_blocks
 from pagewise.engine.config import EngineConfig
 from pagewise.engine.errors import (
     InvalidConfigError,
@@ -119,7 +119,7 @@ class LLMEngine:
             else None
         )
         kv_cache = self._allocate_kv_cache(budget, at_start)
-        self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching, extent_blocks(config.block_size))
         self.kv = KVCacheManager(self.pool, config.block_size, kv_cache.num_swap_blocks)
         self.scheduler = Scheduler(
             self.kv,

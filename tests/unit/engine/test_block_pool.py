@@ -50,6 +50,60 @@ def test_free_queue_is_lru_with_o1_removal() -> None:
     assert pool.num_free == 4
 
 
+def test_a_growing_request_keeps_its_blocks_together_in_extents() -> None:
+    pool = BlockPool(16, extent_blocks=4)
+    kv = KVCacheManager(pool, BS)
+    a, b = make_request(list(range(8)), "a"), make_request(list(range(100, 108)), "b", seq=1)
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 8)
+    assert a.block_ids == [0, 1] and b.block_ids == [4, 5]  # b starts a wholly free extent, not at block 2
+    for _turn in range(3):  # decode in turns: each grows after its own last block
+        for request in (a, b):
+            request.num_computed_tokens = request.num_tokens
+            for _ in range(BS):
+                request.append_token(7)
+            assert kv.allocate_slots(request, BS)
+    assert a.block_ids == [0, 1, 2, 3, 8] and b.block_ids == [4, 5, 6, 7, 12]  # next: a wholly free extent
+    assert pool.check_extents() == []
+
+
+def test_placement_runs_into_a_wholly_free_neighbour_and_falls_back_to_the_lru_head() -> None:
+    pool = BlockPool(10, extent_blocks=4)  # extents [0-3] [4-7] [8-9]
+    assert [b.block_id for b in pool.allocate(6)] == [0, 1, 2, 3, 4, 5]  # extent 1 was wholly free
+    assert [b.block_id for b in pool.allocate(1)] == [8]
+    pool.free([pool.blocks[i] for i in (1, 0)])  # extent 0 is partly free: placement no longer starts there
+    assert [b.block_id for b in pool.allocate(1, after=8)] == [9]
+    # No wholly free extent remains: the LRU head (6, never taken), then the block after each.
+    assert [b.block_id for b in pool.allocate(2)] == [6, 7]
+    assert [b.block_id for b in pool.allocate(2)] == [1, 0]  # every free block is served, least recent first
+    assert pool.num_free == 0 and pool.check_extents() == []
+    with pytest.raises(ValueError, match="extent_blocks must be at least 1"):
+        BlockPool(4, extent_blocks=0)
+
+
+def test_extents_are_reused_in_the_order_they_became_wholly_free() -> None:
+    pool = BlockPool(12, extent_blocks=4)
+    first, second, third = (pool.allocate(1) for _ in range(3))
+    assert [b[0].block_id for b in (first, second, third)] == [0, 4, 8]
+    pool.free(second)
+    pool.free(first)
+    assert [b.block_id for b in pool.allocate(1)] == [4]  # freed before extent 0
+    assert [b.block_id for b in pool.allocate(1)] == [0]
+
+
+def test_new_blocks_after_a_prefix_hit_start_their_own_extent() -> None:
+    pool = BlockPool(16, extent_blocks=4)
+    kv = KVCacheManager(pool, BS)
+    prompt = list(range(10))
+    first = make_request(prompt, "a")
+    admit(kv, first)
+    assert first.block_ids == [0, 1, 2]
+    kv.free(first)  # blocks 0 and 1 stay cached; block 2 (partial) is free and unhashed
+    second = make_request(prompt[:8] + [50, 51, 52, 53, 54], "b", seq=1)
+    assert admit(kv, second) == 8
+    assert second.block_ids == [0, 1, 4, 5]  # not block 2: it sits in the extent of the request that computed them
+    assert pool.check_extents() == []
+
+
 def test_double_free_raises() -> None:
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
@@ -213,4 +267,15 @@ def test_check_accounting_finds_a_leak() -> None:
     kv.check_accounting([request])
     pool.allocate(1)  # held by nobody
     with pytest.raises(RuntimeError, match=r"accounting is broken: ref counts wrong for blocks \[2\]"):
+        kv.check_accounting([request])
+
+
+def test_check_accounting_finds_wrong_extent_bookkeeping() -> None:
+    pool = BlockPool(8, extent_blocks=4)
+    kv = KVCacheManager(pool, BS)
+    request = make_request(list(range(6)))
+    admit(kv, request)
+    pool.blocks[5].ref_count = 1  # a reference that bypassed the pool: ref counts and extent 1 both disagree
+    pool.free_queue.remove(pool.blocks[5])
+    with pytest.raises(RuntimeError, match=r"in-use counts wrong for extents \[1\]"):
         kv.check_accounting([request])

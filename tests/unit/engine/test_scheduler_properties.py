@@ -33,6 +33,7 @@ def check_invariants(scheduler: Scheduler, pool: BlockPool, live: list[Request],
     for block in pool.blocks:
         assert block.ref_count == holders.get(block.block_id, 0) >= 0
         assert (block.ref_count == 0) == (block.block_id in in_queue)
+    assert pool.check_extents() == []
     for request in scheduler.running:
         assert request in in_flight or (
             len(request.block_ids) == -(-request.num_computed_tokens // BS)
@@ -97,10 +98,11 @@ def run_step(step: SchedulerOutput, scheduler: Scheduler, live: list[Request], r
     caching=st.booleans(),
     max_num_seqs=st.integers(2, 8),
     policy=st.sampled_from(["fcfs", "fair"]),
+    extent=st.sampled_from([1, 2, 4, 5]),
 )
-def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_seqs, policy) -> None:
+def test_scheduler_invariants(seed, num_blocks, budget, mode, caching, max_num_seqs, policy, extent) -> None:
     rng = random.Random(seed)
-    pool = BlockPool(num_blocks, caching)
+    pool = BlockPool(num_blocks, caching, extent)
     kv = KVCacheManager(pool, BS, num_swap_slots=rng.choice([0, 4, 64]))
     scheduler = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=True, preemption_mode=mode, policy=policy)
     shared_prefix = [rng.randrange(50) for _ in range(9)]
