@@ -1,8 +1,9 @@
 """``pagewise bench step``: where one decode step's time goes, for each CPU attention backend side by side.
 
 On the real model (fp32), a batch of ``--num-seqs`` sequences decodes one token each at a context of C tokens,
-for each C of ``--contexts``. Every sequence owns distinct KV blocks (filled with random keys and values, as a
-real batch's would be spread over the cache) and the step runs through the engine's own ``ModelRunner.execute``:
+for each C of ``--contexts``. Every sequence owns distinct KV blocks (filled with random keys and values), taken
+from the engine's block pool one sequence after another, so they lie in runs as the engine places a request's
+blocks (``BlockPool``), and the step runs through the engine's own ``ModelRunner.execute``:
 input tensors built from the requests, the forward pass over the paged cache, logits, sampling. Each step is
 timed whole and split by wrapping the parts:
 
@@ -83,7 +84,8 @@ def instrumented(runner, clock: StepClock) -> Iterator[None]:
 
 
 def decode_batch(engine, num_seqs: int, context: int, sampled: bool, seed: int):
-    """A ``SchedulerOutput`` of ``num_seqs`` requests decoding at ``context``, on distinct blocks."""
+    """A ``SchedulerOutput`` of ``num_seqs`` requests decoding at ``context``, on distinct blocks of the engine's
+    pool (``release_batch`` gives them back)."""
     import random
 
     from pagewise.engine.request import Request, RequestStatus
@@ -97,16 +99,20 @@ def decode_batch(engine, num_seqs: int, context: int, sampled: bool, seed: int):
         else SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     )
     blocks_per_seq = -(-context // engine.block_size)
-    order = list(range(num_seqs * blocks_per_seq))
-    rng.shuffle(order)
     out = SchedulerOutput()
     for s in range(num_seqs):
         request = Request(f"step-{s}", [rng.randrange(3, engine.arch.vocab_size) for _ in range(context)], params, s)
-        request.block_ids = order[s * blocks_per_seq : (s + 1) * blocks_per_seq]
+        request.block_ids = [block.block_id for block in engine.pool.allocate(blocks_per_seq)]
         request.num_computed_tokens = context - 1
         request.status = RequestStatus.RUNNING
         out.scheduled[request] = 1
     return out
+
+
+def release_batch(engine, batch) -> None:
+    """Give ``decode_batch``'s blocks back to the engine's pool."""
+    for request in batch.scheduled:
+        engine.pool.free(engine.pool.blocks[i] for i in reversed(request.block_ids))
 
 
 def measure(engine, batch, backends: list[str], steps: int) -> dict[str, dict[str, float]]:
@@ -181,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         progress(f"context {context}: {steps} steps x {len(backends)} backends ...")
         batch = decode_batch(engine, num_seqs, context, args.sampled, seed=context)
         figures = measure(engine, batch, backends, steps)
+        release_batch(engine, batch)
         if "cpu" in figures:
             figures["speedup_cpu_vs_torch"] = figures["torch"]["total_ms"] / figures["cpu"]["total_ms"]
         result["contexts"][str(context)] = figures
@@ -211,4 +218,4 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["decode_batch", "measure", "register", "run"]
+__all__ = ["decode_batch", "measure", "register", "release_batch", "run"]

@@ -73,6 +73,23 @@ def test_step(tiny_path, capsys):
             assert figures["speedup_cpu_vs_torch"] > 0
 
 
+def test_step_batch_takes_runs_of_the_engines_pool_and_gives_them_back(tiny_path, tmp_path):
+    from pagewise.bench import step
+    from pagewise.engine.config import EngineConfig
+    from pagewise.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_path, max_model_len=256, max_num_seqs=4, cache_dir=str(tmp_path)))
+    batch = step.decode_batch(engine, 4, 100, sampled=False, seed=0)
+    tables = [r.block_ids for r in batch.scheduled]
+    blocks = -(-100 // engine.block_size)
+    assert [len(t) for t in tables] == [blocks] * 4 and len({b for t in tables for b in t}) == 4 * blocks
+    assert all(t == list(range(t[0], t[0] + blocks)) for t in tables)  # each sequence's blocks are neighbours
+    assert engine.pool.num_free == engine.num_blocks - 4 * blocks
+    step.release_batch(engine, batch)
+    assert engine.pool.num_free == engine.num_blocks
+    engine.kv.check_accounting([])
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_throughput(tiny_path, capsys, sampled):
     from pagewise.bench import throughput
