@@ -89,12 +89,14 @@ class BlockPool:
 
     Placement. With ``extent_blocks`` > 1 the block ids fall in extents of that many neighbours, and an allocation
     given the block it follows (``after``: the requester's last block) takes, in this order: the block after that
-    one, if free and in the same extent or in a wholly free one; the first block of the extent that has been
-    wholly free the longest; the head of the free queue. So a request's blocks form runs as long as an extent
-    while wholly free extents remain, and the free queue's LRU order decides only once they are gone: extents
-    are evicted oldest-freed first, the blocks of an extent as a request grows into them. Placement never
-    refuses a block: any ``count <= num_free`` is served. With ``extent_blocks`` 1 allocation takes the free
-    queue's head, exact LRU.
+    one, if free and in the same extent, or if it begins a wholly free extent and holds no cached prefix; the
+    first block of the extent that has been wholly free the longest; the head of the free queue. So a request's
+    blocks form runs as long as an extent while wholly free extents remain, and the free queue's LRU order
+    decides only once they are gone. Cached prefixes are evicted by extent, the one wholly freed longest ago
+    first (never a younger one for the sake of a longer run: its first block would be the head of a cached
+    chain, and a chain is hit from its head), the blocks of an extent as a request grows into them. Placement
+    never refuses a block: any ``count <= num_free`` is served. With ``extent_blocks`` 1 allocation takes the
+    free queue's head, exact LRU.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, extent_blocks: int = 1) -> None:
@@ -170,7 +172,9 @@ class BlockPool:
         if after is not None and after + 1 < self.num_blocks:
             following = self.blocks[after + 1]
             extent = following.block_id // size
-            if following.ref_count == 0 and (extent == after // size or extent in self._free_extents):
+            if following.ref_count == 0 and (
+                extent == after // size or (extent in self._free_extents and following.block_hash is None)
+            ):
                 return following
         if self._free_extents:
             return self.blocks[next(iter(self._free_extents)) * size]

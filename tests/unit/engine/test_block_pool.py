@@ -80,6 +80,23 @@ def test_placement_runs_into_a_wholly_free_neighbour_and_falls_back_to_the_lru_h
         BlockPool(4, extent_blocks=0)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_run_continues_into_a_free_neighbour_only_if_it_holds_no_cached_prefix(caching) -> None:
+    pool = BlockPool(12, caching, extent_blocks=4)  # extents [0-3] [4-7] [8-11]
+    kv = KVCacheManager(pool, BS)
+    grower, younger, older = (make_request(list(range(k, k + 16)), f"r{k}", seq=k) for k in (0, 100, 200))
+    for request in (grower, younger, older):
+        admit(kv, request)
+    assert [r.block_ids[0] for r in (grower, younger, older)] == [0, 4, 8]
+    kv.free(older)
+    kv.free(younger)  # extent 1 is the younger wholly free extent; with caching on its blocks hold a prefix
+    grower.append_token(7)
+    assert kv.allocate_slots(grower, 1)
+    assert grower.block_ids[-1] == (8 if caching else 4)
+    again = make_request(list(range(100, 116)) + [1], "again", seq=9)
+    assert admit(kv, again) == (16 if caching else 0)  # the younger prefix is still whole
+
+
 def test_extents_are_reused_in_the_order_they_became_wholly_free() -> None:
     pool = BlockPool(12, extent_blocks=4)
     first, second, third = (pool.allocate(1) for _ in range(3))
