@@ -8,6 +8,9 @@ process), then as streamed ``/v1/completions`` with token-id prompts against ``p
 every run and every server sees the same schedule). Reports per load output tokens/s and TTFT / TPOT p50 and p99
 as the client sees them, and ``served_offline_ratio``: served (all at once) over offline output tokens/s.
 
+Each load after the first sends prompts of its own (``phase_workloads``: the same prompt and output lengths, fresh
+token ids), so no load is served from prefixes an earlier one left in the server's prefix cache.
+
 The offline engine is freed before the server starts: the two never share the machine's cores.
 """
 
@@ -72,6 +75,18 @@ async def _one(client: Any, body: dict[str, Any], delay: float) -> dict[str, flo
     return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens}
 
 
+def phase_workloads(workload: Workload, count: int, vocab_size: int) -> list[Workload]:
+    """``count`` workloads for consecutive loads on one server: ``workload`` first, then copies with the same
+    prompt and output lengths whose prompts are fresh random token ids (seeded by the load's index), so a load's
+    prompts share no block with an earlier load's and its TTFT includes the whole prefill."""
+    phases = [workload]
+    for index in range(1, count):
+        rng = random.Random(f"load-{index}")
+        prompts = [[rng.randrange(vocab_size) for _ in prompt] for prompt in workload.prompts]
+        phases.append(Workload(prompts, list(workload.output_lens)))
+    return phases
+
+
 async def serve_load(base: str, key: str, model: str, workload: Workload, rate: float, sampled: bool) -> dict:
     """The workload against a server at ``rate`` requests/s (``inf``: all at once)."""
     import httpx
@@ -105,23 +120,25 @@ async def serve_load(base: str, key: str, model: str, workload: Workload, rate: 
     return summary
 
 
-def offline(model: str, max_model_len: int, sampled: bool, num_requests: int) -> tuple[Workload, dict]:
-    """The workload and the engine's offline figures on it (the engine is freed afterwards)."""
+def offline(model: str, max_model_len: int, sampled: bool, num_requests: int) -> tuple[Workload, dict, int]:
+    """The workload, the engine's offline figures on it and the model's vocabulary size (the engine is freed
+    afterwards)."""
     from pagewise import LLM
 
     llm = LLM(model, max_model_len=max_model_len, progress=False)
-    workload = make_workload(num_requests, PROMPT_RANGE, OUTPUT_RANGE, llm.engine.arch.vocab_size)
+    vocab_size = llm.engine.arch.vocab_size
+    workload = make_workload(num_requests, PROMPT_RANGE, OUTPUT_RANGE, vocab_size)
     log(f"offline: {num_requests} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output")
     figures = run_engine(llm, workload, sampled=sampled)
     del llm
     gc.collect()
     log(f"offline: {figures['engine_tokens_per_s']:.1f} output tok/s")
-    return workload, figures
+    return workload, figures, vocab_size
 
 
 def run_mixed(args: argparse.Namespace, server) -> dict[str, Any]:
     """Offline, then every load through ``server`` (a context manager yielding base URL, key and admin key)."""
-    workload, engine = offline(args.model, args.max_model_len, args.sampled, args.num_requests)
+    workload, engine, vocab_size = offline(args.model, args.max_model_len, args.sampled, args.num_requests)
     result: dict[str, Any] = {
         "workload": "mixed",
         "sampled": args.sampled,
@@ -132,7 +149,11 @@ def run_mixed(args: argparse.Namespace, server) -> dict[str, Any]:
     }
     with server as (base, key, _admin_key):
         model = served_model(base, key, args.model)
-        loads = [asyncio.run(serve_load(base, key, model, workload, rate, args.sampled)) for rate in args.rates]
+        phases = phase_workloads(workload, len(args.rates), vocab_size)
+        loads = [
+            asyncio.run(serve_load(base, key, model, phase, rate, args.sampled))
+            for phase, rate in zip(phases, args.rates, strict=True)
+        ]
     result["loads"] = loads
     result["num_errors"] = sum(load["num_errors"] for load in loads)
     burst = next((load for load in loads if load["rate"] is None), None)

@@ -16,7 +16,9 @@ Everything a reader needs to rerun a comparison in docs/benchmarks.md, from a cl
    timing.
 4. **Served** (``--served``): vLLM's OpenAI server, then ``pagewise serve``, each on a free port and stopped
    before the next starts, driven by the same client (``served_workload.serve_load``: streamed
-   ``/v1/completions`` of the same requests, all at once and at each ``--rate``).
+   ``/v1/completions``, all at once and at each ``--rate``): the first load sends the offline requests, each later
+   one prompts of the same lengths with fresh token ids (``served_workload.phase_workloads``), so no load is served
+   from an earlier one's cached prefixes.
 
 Both engines get ``--dtype`` unless ``--vllm-dtype`` gives vLLM another (its CPU default is bf16: compare it in
 both) and ``OMP_NUM_THREADS`` = the cores this process may use. Output: a table, or one JSON object with ``--json``;
@@ -213,14 +215,22 @@ def vllm_server(python: Path, weights: Path, dtype: str, threads: int, log_path:
 SERVED_NAME = "bench-model"
 
 
-def served(python: Path, weights: Path, workload: Any, args: argparse.Namespace, threads: int) -> dict:
-    """Both servers under every load, vLLM's first."""
+def served(
+    python: Path, weights: Path, workload: Any, vocab_size: int, args: argparse.Namespace, threads: int
+) -> dict:
+    """Both servers under every load, vLLM's first; each load after the first with prompts of its own
+    (``served_workload.phase_workloads``), the same for both servers."""
     from pagewise.bench._common import create_inference_key, served_model
-    from pagewise.bench.served_workload import serve_load
+    from pagewise.bench.served_workload import phase_workloads, serve_load
     from pagewise.bench.serving import bench_server
 
+    phases = phase_workloads(workload, len(args.rates), vocab_size)
+
     def loads(base: str, key: str, model: str) -> list[dict]:
-        return [asyncio.run(serve_load(base, key, model, workload, rate, args.sampled)) for rate in args.rates]
+        return [
+            asyncio.run(serve_load(base, key, model, phase, rate, args.sampled))
+            for phase, rate in zip(phases, args.rates, strict=True)
+        ]
 
     log_path = args.home / "vllm-server.log"
     log(f"starting vLLM's OpenAI server ({args.vllm_dtype}); its log: {log_path}")
@@ -276,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                         "ratio": ours["output_tokens_per_s"] / vllm["output_tokens_per_s"]},
         }
         if args.served:
-            result["served"] = served(python, weights, workload, args, threads)
+            result["served"] = served(python, weights, workload, vocab, args, threads)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitStatus.FAILED
