@@ -96,7 +96,8 @@ class BlockPool:
     blocks form runs as long as an extent while wholly free extents remain, and the free queue's LRU order
     decides only once they are gone. Cached prefixes are evicted by extent, the one wholly freed longest ago
     first (never a younger one for the sake of a longer run: its first block would be the head of a cached
-    chain, and a chain is hit from its head), the blocks of an extent as a request grows into them. Placement
+    chain, and a chain is hit from its head), the blocks of an extent as a request grows into them — whatever
+    they hold: a run entered at an uncached first block takes the rest of that extent too. Placement
     never refuses a block: any ``count <= num_free`` is served. With ``extent_blocks`` 1 allocation takes the
     free queue's head, exact LRU.
     """
