@@ -2,8 +2,8 @@
 
 On the real model (fp32), a batch of ``--num-seqs`` sequences decodes one token each at a context of C tokens,
 for each C of ``--contexts``. Every sequence owns distinct KV blocks (filled with random keys and values), taken
-from the engine's block pool one sequence after another, so they lie in runs as the engine places a request's
-blocks (``BlockPool``), and the step runs through the engine's own ``ModelRunner.execute``:
+through the engine's KV cache manager one sequence after another, so they lie in runs as the engine places a
+request's blocks (``BlockPool``), and the step runs through the engine's own ``ModelRunner.execute``:
 input tensors built from the requests, the forward pass over the paged cache, logits, sampling. Each step is
 timed whole and split by wrapping the parts:
 
@@ -98,11 +98,11 @@ def decode_batch(engine, num_seqs: int, context: int, sampled: bool, seed: int):
         if sampled
         else SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     )
-    blocks_per_seq = -(-context // engine.block_size)
     out = SchedulerOutput()
     for s in range(num_seqs):
         request = Request(f"step-{s}", [rng.randrange(3, engine.arch.vocab_size) for _ in range(context)], params, s)
-        request.block_ids = [block.block_id for block in engine.pool.allocate(blocks_per_seq)]
+        if not engine.kv.allocate_slots(request, context):
+            raise RuntimeError(f"the KV cache holds fewer than {num_seqs} sequences of {context} tokens")
         request.num_computed_tokens = context - 1
         request.status = RequestStatus.RUNNING
         out.scheduled[request] = 1
@@ -112,7 +112,7 @@ def decode_batch(engine, num_seqs: int, context: int, sampled: bool, seed: int):
 def release_batch(engine, batch) -> None:
     """Give ``decode_batch``'s blocks back to the engine's pool."""
     for request in batch.scheduled:
-        engine.pool.free(engine.pool.blocks[i] for i in reversed(request.block_ids))
+        engine.kv.free(request)
 
 
 def measure(engine, batch, backends: list[str], steps: int) -> dict[str, dict[str, float]]:

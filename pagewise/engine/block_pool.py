@@ -74,9 +74,9 @@ class FreeBlockQueue:
 # Tokens of KV a request's blocks are kept together in, where the engine sets the pool's extents
 # (``extent_blocks``). Decode attention on a CPU reads a sequence's blocks one after another, and 16-token blocks
 # scattered over the cache read at half the rate of blocks in runs (12.0 vs 23.2 GB/s in ``pagewise bench step``
-# at 1,024 tokens on Zen 4); in the engine, extents of 32, 128 and 512 tokens came out within noise of each other
-# (docs/benchmarks.md, "a sequence's blocks kept together"), and the smaller the extent, the closer eviction
-# stays to LRU.
+# at 1,024 tokens on an AMD EPYC Zen 4 with AVX512-BF16); in its engine, extents of 32, 128 and 512 tokens came
+# out within noise of each other (docs/benchmarks.md, "a sequence's blocks kept together"), and the smaller the
+# extent, the closer eviction stays to LRU. Other CPUs of this kind are not measured yet.
 EXTENT_TOKENS = 128
 
 
@@ -152,10 +152,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
-                extent = block.block_id // self.extent_blocks
-                self._in_use[extent] -= 1
-                if self._in_use[extent] == 0:
-                    self._free_extents[extent] = None
+                self._released(block)
 
     def check_extents(self) -> list[int]:
         """Extents whose bookkeeping disagrees with their blocks' ref counts (empty when it is right)."""
@@ -189,6 +186,13 @@ class BlockPool:
         if self._in_use[extent] == 0:
             del self._free_extents[extent]
         self._in_use[extent] += 1
+
+    def _released(self, block: KVBlock) -> None:
+        """Count a block's last reference gone from its extent; a wholly free extent joins the end of the order."""
+        extent = block.block_id // self.extent_blocks
+        self._in_use[extent] -= 1
+        if self._in_use[extent] == 0:
+            self._free_extents[extent] = None
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
