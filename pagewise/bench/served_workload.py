@@ -120,6 +120,16 @@ async def serve_load(base: str, key: str, model: str, workload: Workload, rate: 
     return summary
 
 
+def serve_loads(
+    base: str, key: str, model: str, phases: list[Workload], rates: list[float], sampled: bool
+) -> list[dict]:
+    """One ``serve_load`` per rate, in order, each with its phase's workload (``phase_workloads``)."""
+    return [
+        asyncio.run(serve_load(base, key, model, phase, rate, sampled))
+        for phase, rate in zip(phases, rates, strict=True)
+    ]
+
+
 def offline(model: str, max_model_len: int, sampled: bool, num_requests: int) -> tuple[Workload, dict, int]:
     """The workload, the engine's offline figures on it and the model's vocabulary size (the engine is freed
     afterwards)."""
@@ -150,10 +160,7 @@ def run_mixed(args: argparse.Namespace, server) -> dict[str, Any]:
     with server as (base, key, _admin_key):
         model = served_model(base, key, args.model)
         phases = phase_workloads(workload, len(args.rates), vocab_size)
-        loads = [
-            asyncio.run(serve_load(base, key, model, phase, rate, args.sampled))
-            for phase, rate in zip(phases, args.rates, strict=True)
-        ]
+        loads = serve_loads(base, key, model, phases, args.rates, args.sampled)
     result["loads"] = loads
     result["num_errors"] = sum(load["num_errors"] for load in loads)
     burst = next((load for load in loads if load["rate"] is None), None)

@@ -28,7 +28,6 @@ progress lines on stderr.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
@@ -221,16 +220,13 @@ def served(
     """Both servers under every load, vLLM's first; each load after the first with prompts of its own
     (``served_workload.phase_workloads``), the same for both servers."""
     from pagewise.bench._common import create_inference_key, served_model
-    from pagewise.bench.served_workload import phase_workloads, serve_load
+    from pagewise.bench.served_workload import phase_workloads, serve_loads
     from pagewise.bench.serving import bench_server
 
     phases = phase_workloads(workload, len(args.rates), vocab_size)
 
     def loads(base: str, key: str, model: str) -> list[dict]:
-        return [
-            asyncio.run(serve_load(base, key, model, phase, rate, args.sampled))
-            for phase, rate in zip(phases, args.rates, strict=True)
-        ]
+        return serve_loads(base, key, model, phases, args.rates, args.sampled)
 
     log_path = args.home / "vllm-server.log"
     log(f"starting vLLM's OpenAI server ({args.vllm_dtype}); its log: {log_path}")
