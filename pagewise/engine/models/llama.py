@@ -247,7 +247,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids, positions, kv_caches, meta)`` returns hidden states; ``compute_logits`` the fp32
+    """``forward(input_ids, positions, kv_caches, meta)`` returns hidden states; ``compute_logits`` the
     logits of the selected rows only (the LM head is the largest matmul: run it only where we sample)."""
 
     def __init__(self, arch: ModelArchConfig, max_positions: int) -> None:
@@ -309,8 +309,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.use_gemm_plan(plan, compute_dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The logits of ``hidden``'s rows in ``dtype``; None: the LM head's own (a bf16 head's output as it is,
+        for a caller that only takes each row's argmax, which the exact widening to fp32 would not change)."""
+        return self.lm_head(hidden, dtype or self.lm_head.compute_dtype)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` …), fusing qkv and gate/up."""

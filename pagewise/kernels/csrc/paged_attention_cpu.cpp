@@ -1431,6 +1431,68 @@ void residual_add(at::Tensor& residual, const at::Tensor& delta) {
     }
 }
 
+// The order of a float32's or bf16's bits as an int32: a larger value has a larger key, -0 and +0 share one, and
+// every NaN sits above +inf (torch's max and argmax return a NaN's index). Integer compares stay exact under
+// -ffast-math, which may drop float NaN tests.
+inline int32_t order_key(uint32_t bits) {
+    const int32_t magnitude = static_cast<int32_t>(bits & 0x7FFFFFFFu);
+    if (magnitude > 0x7F800000) return std::numeric_limits<int32_t>::max();
+    return (bits & 0x80000000u) ? -magnitude : magnitude;
+}
+inline int32_t order_key(uint16_t bits) { return order_key(static_cast<uint32_t>(bits) << 16); }  // a bf16's float32
+
+// The index of a row's largest element, the first of ties: the largest key of each chunk of the row in one
+// vectorised pass, then the first index holding it inside the first chunk that reached it.
+template <typename Bits>
+inline __attribute__((always_inline)) int64_t argmax_row_body(const Bits* x, int64_t n) {
+    constexpr int64_t chunk = 512;
+    int32_t best = std::numeric_limits<int32_t>::min();
+    int64_t best_start = 0;
+    for (int64_t start = 0; start < n; start += chunk) {
+        const int64_t end = std::min(start + chunk, n);
+        int32_t top = std::numeric_limits<int32_t>::min();
+#pragma omp simd reduction(max : top)
+        for (int64_t i = start; i < end; ++i) top = std::max(top, order_key(x[i]));
+        if (top > best) {
+            best = top;
+            best_start = start;
+        }
+    }
+    const int64_t end = std::min(best_start + chunk, n);
+    for (int64_t i = best_start; i < end; ++i)
+        if (order_key(x[i]) == best) return i;
+    return best_start;
+}
+
+PAGEWISE_CLONES
+int64_t argmax_row(const uint16_t* x, int64_t n) { return argmax_row_body(x, n); }
+
+PAGEWISE_CLONES
+int64_t argmax_row(const uint32_t* x, int64_t n) { return argmax_row_body(x, n); }
+
+// The index of each row's largest element (the first of ties, a NaN's if the row has one: torch.argmax's result)
+// of a 2-D float32 or bfloat16 tensor whose rows are contiguous, as int64 [rows]. Reads a bf16 row as it is: the
+// greedy token of a bf16 LM head's output without a float32 copy.
+at::Tensor argmax_rows(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1 &&
+                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "argmax_rows takes a 2-D float32 or bfloat16 tensor with contiguous, non-empty rows");
+    const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+    auto out = at::empty({rows}, x.options().dtype(at::kLong));
+    int64_t* out_ptr = out.data_ptr<int64_t>();
+    auto scan_all = [&](const auto* base) {
+        at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) out_ptr[r] = argmax_row(base + r * stride, n);
+        });
+    };
+    if (x.scalar_type() == at::kBFloat16) {
+        scan_all(reinterpret_cast<const uint16_t*>(x.data_ptr()));
+    } else {
+        scan_all(reinterpret_cast<const uint32_t*>(x.data_ptr()));
+    }
+    return out;
+}
+
 template <typename T>
 inline __attribute__((always_inline)) void rotate_row_body(T* x, const float* cos, const float* sin, int64_t half) {
 #pragma omp simd
@@ -2131,6 +2193,7 @@ TORCH_LIBRARY(pagewise_cpu, m) {
           "Tensor slot_mapping) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
     m.def("residual_add(Tensor(a!) residual, Tensor delta) -> ()");
+    m.def("argmax_rows(Tensor x) -> Tensor");
     m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
     m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor order, Tensor segment_starts, "
@@ -2144,6 +2207,7 @@ TORCH_LIBRARY_IMPL(pagewise_cpu, CPU, m) {
     m.impl("reshape_and_cache", &reshape_and_cache);
     m.impl("rms_norm", &rms_norm);
     m.impl("residual_add", &residual_add);
+    m.impl("argmax_rows", &argmax_rows);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("lora_add", &lora_add);

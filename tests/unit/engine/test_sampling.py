@@ -492,6 +492,34 @@ def test_a_greedy_row_takes_the_first_of_tied_maxima() -> None:
     assert _draws(_sampler(), logits, [_request(SamplingParams(temperature=0))] * 3) == [7, 100, 0]
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"logprobs": 0},
+        {"logit_bias": {5: 3.0}},
+        {"min_tokens": 2},
+        {"repetition_penalty": 1.2},
+        {"temperature": 0.5},
+    ],
+)
+def test_a_plain_greedy_batch_takes_its_argmax_in_the_lm_heads_dtype(kwargs) -> None:
+    """A batch of plain greedy rows is argmax-only and gives the tokens of its bf16 logits and of their fp32
+    widening alike; one row asking for anything that reads the logits (log-probabilities, a bias, the min-tokens
+    mask, a penalty, a temperature) makes the whole batch fp32, and its greedy rows keep their tokens."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 4096, generator=gen) * 6).bfloat16()
+    plain = [_request(SamplingParams(temperature=0)) for _ in range(4)]
+    assert Sampler.argmax_only(plain)
+    expected = logits.float().argmax(-1).tolist()
+    assert _draws(_sampler(), logits, plain) == expected
+    assert _draws(_sampler(), logits.float(), plain) == expected
+    other = _request(SamplingParams(**{"temperature": 0, "max_tokens": 4, **kwargs}), seed=1)
+    assert not Sampler.argmax_only([*plain[:3], other])
+    results = _sampler()(logits, [*plain[:3], other])
+    assert [r.token_id for r in results[:3]] == expected[:3]
+    assert not isinstance(results[3], Exception)
+
+
 PROBS = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
 
 

@@ -372,6 +372,38 @@ def test_bf16_outputs_and_inputs_are_the_float32_op_rounded_once() -> None:
     assert kernels.backend_for(gate_up) == "torch"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax_ties_signs_and_nans_included(dtype: torch.dtype) -> None:
+    """The greedy token of every row: torch's argmax (first of ties, a NaN's index where there is one) on random
+    rows of the vocabulary sizes the engine meets, rows with planted ties across and inside its scan chunks, signed
+    zeros, infinities and NaNs, and strided rows (a slice of a wider tensor)."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, vocab in ((1, 1), (3, 7), (64, 49152), (5, 32000), (2, 513)):
+        x = (torch.randn(rows, vocab, generator=gen) * 8).to(dtype)
+        assert torch.equal(cpu_ops.argmax_rows(x), x.float().argmax(-1)), (rows, vocab)
+    x = torch.full((8, 2000), -5.0, dtype=dtype)
+    x[0, [3, 1500]] = 7.0  # a tie across chunks: the first
+    x[1, [600, 601]] = 7.0  # a tie inside a chunk
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 0], x[3, 9] = -0.0, 0.0  # -0 == +0: the first
+    x[3, 1:9] = -1.0
+    x[3, 10:] = -1.0
+    x[4, 1200], x[4, 5] = float("nan"), float("inf")  # a NaN wins, as in torch
+    x[5, 77] = float("inf")
+    x[6, 1999] = -4.0  # the last element
+    x[7] = torch.randn(2000, generator=gen).to(dtype)
+    expected = x.float().argmax(-1)
+    assert expected.tolist()[:7] == [3, 600, 0, 0, 1200, 77, 1999]
+    assert torch.equal(cpu_ops.argmax_rows(x), expected)
+    assert torch.equal(reference.argmax_rows(x), expected)
+    wide = torch.randn(6, 3000, generator=gen).to(dtype)
+    assert torch.equal(kernels.argmax_rows(wide[:, 100:2100]), wide[:, 100:2100].float().argmax(-1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_ops.argmax_rows(x.half())
+    with pytest.raises(RuntimeError, match="non-empty rows"):
+        cpu_ops.argmax_rows(torch.zeros(3, 0, dtype=dtype))
+
+
 def test_forcing_the_compiled_backend_loads_it_or_says_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PAGEWISE_KERNEL_BACKEND", "cpu")
     cpu_ops.available.cache_clear()  # as in a fresh process: nothing loaded yet
