@@ -183,7 +183,7 @@ class ModelRunner:
         hidden = run.forward.output()
         requests = list(run.sample_rows)
         rows = torch.tensor([run.sample_rows[r] for r in requests], dtype=torch.int64, device=self.device)
-        dtype = None if self.sampler.argmax_only(requests) else torch.float32
+        dtype = None if Sampler.argmax_only(requests) else torch.float32
         logits = self.model.compute_logits(hidden.index_select(0, rows), dtype)
         return dict(zip(requests, self.sampler(logits, requests), strict=True))
 
