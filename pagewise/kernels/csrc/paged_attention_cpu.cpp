@@ -383,20 +383,88 @@ PAGEWISE_BF16_DOT inline void accumulate_rows(const float* p, const float* tile,
     }
 }
 
+// The bf16 pair (p[0], p[1]) — (p[0], 0) unless `both` — in every 32-bit lane.
+PAGEWISE_BF16_DOT inline __m512bh probability_pair(const uint16_t* p, bool both) {
+    const uint32_t bits = p[0] | (both ? static_cast<uint32_t>(p[1]) << 16 : 0u);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+// out[g] += sum over i < n of p_g[i] * v[i] for g < G, 32 dims at a time: bf16 probabilities (row g at
+// probs + g * probs_stride) against bf16 value rows (`head_dim` apart) read in place, two tokens per `vdpbf16ps` —
+// each lane holds the pair (v[i][d], v[i + 1][d]) against the pair (p[i], p[i + 1]): exact products, float32 sums.
+// An odd last token pairs with zeros. The 2 * G accumulators of a 32-dim slice stay in registers over the rows.
+template <int G>
+PAGEWISE_BF16_DOT inline void add_value_pairs_of(const uint16_t* probs, int64_t probs_stride, const uint16_t* v,
+                                                 int64_t n, int64_t head_dim, float* out) {
+    alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+        __m512 acc[G][2];
+        for (int g = 0; g < G; ++g) {
+            acc[g][0] = _mm512_loadu_ps(out + g * head_dim + c);
+            acc[g][1] = _mm512_loadu_ps(out + g * head_dim + c + 16);
+        }
+        int64_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c), b = _mm512_loadu_si512(v + (i + 1) * head_dim + c);
+            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh p = probability_pair(probs + g * probs_stride + i, true);
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, lo);
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, hi);
+            }
+        }
+        if (i < n) {
+            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c), zero = _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, zero);
+            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, zero);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh p = probability_pair(probs + g * probs_stride + i, false);
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, lo);
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, hi);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            _mm512_storeu_ps(out + g * head_dim + c, acc[g][0]);
+            _mm512_storeu_ps(out + g * head_dim + c + 16, acc[g][1]);
+        }
+    }
+}
+
+// `add_value_pairs_of` for a group of up to 8 query heads.
+PAGEWISE_BF16_DOT inline void add_value_pairs(const uint16_t* probs, int64_t probs_stride, const uint16_t* v,
+                                              int64_t n, int64_t head_dim, int64_t group, float* out) {
+    switch (group) {
+        case 1: return add_value_pairs_of<1>(probs, probs_stride, v, n, head_dim, out);
+        case 2: return add_value_pairs_of<2>(probs, probs_stride, v, n, head_dim, out);
+        case 3: return add_value_pairs_of<3>(probs, probs_stride, v, n, head_dim, out);
+        case 4: return add_value_pairs_of<4>(probs, probs_stride, v, n, head_dim, out);
+        case 5: return add_value_pairs_of<5>(probs, probs_stride, v, n, head_dim, out);
+        case 6: return add_value_pairs_of<6>(probs, probs_stride, v, n, head_dim, out);
+        case 7: return add_value_pairs_of<7>(probs, probs_stride, v, n, head_dim, out);
+        default: return add_value_pairs_of<8>(probs, probs_stride, v, n, head_dim, out);
+    }
+}
+
 // Kv heads a decode pass over a bf16 cache takes together: their rows of a block lie side by side, so each block
 // is read as one run of up to four heads' rows rather than one head's rows at a time.
 constexpr int64_t DECODE_HEADS = 4;
 
-// Decode attention of one sequence over a bf16 cache, every kv head (as `attend_body` per head), head_dim a
-// multiple of 32 (at most 256) and at most 8 query heads per kv head. `scores` holds num_heads * context_len + 16
-// floats, `tile` 16 * head_dim; `queries` and `out` are the sequence's rows of every query head.
+// Decode attention of one sequence over a bf16 cache, every kv head, head_dim a multiple of 32 (at most 256) and
+// at most 8 query heads per kv head: the scores of the scaled query rounded to bf16, their softmax in float32
+// rounded to bf16, and the value sum of those probabilities (`add_value_pairs`) — what the AMX kernel computes,
+// as bf16 attention does. `scores` holds num_heads * context_len + 16 floats; `queries` and `out` are the
+// sequence's rows of every query head. (The scratch `tile` of `attend_sequence_bf16`'s signature is not needed.)
 PAGEWISE_BF16_DOT
 void attend_sequence_bf16_dot(const float* queries, const uint16_t* key_cache, const uint16_t* value_cache,
                               const int32_t* table, int64_t context_len, int64_t num_kv_heads, int64_t block_size,
-                              int64_t head_dim, int64_t group, float scale, float* scores, float* tile, float* out) {
+                              int64_t head_dim, int64_t group, float scale, float* scores, float*, float* out) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim, head_stride = block_size * head_dim;
     const int64_t pairs = head_dim / 32;  // 32 bf16 per dot-product instruction
-    const int64_t chunks = head_dim / 16;
     const int64_t full = context_len & ~int64_t{15};
     for (int64_t h0 = 0; h0 < num_kv_heads; h0 += DECODE_HEADS) {
         const int64_t heads = std::min(DECODE_HEADS, num_kv_heads - h0), rows = heads * group;
@@ -456,10 +524,15 @@ void attend_sequence_bf16_dot(const float* queries, const uint16_t* key_cache, c
                 _mm512_mask_storeu_ps(row + t, live, e);
                 total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(live, e));
             }
+            // The probabilities, normalised in float32 and rounded to bf16, over the first half of the row's
+            // floats: each 16 written (32 bytes at 2t) only after they are read (64 bytes at 4t), and never over
+            // floats still to be read.
             const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+            uint16_t* probs = reinterpret_cast<uint16_t*>(row);
             for (int64_t t = 0; t < context_len; t += 16) {
                 const __mmask16 live = t + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - t)) - 1);
-                _mm512_mask_storeu_ps(row + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + t), inverse));
+                const __m256bh p = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + t), inverse));
+                _mm256_mask_storeu_epi16(probs + t, live, (__m256i)p);
             }
             std::fill(first_out + r * head_dim, first_out + (r + 1) * head_dim, 0.f);
         }
@@ -472,15 +545,8 @@ void attend_sequence_bf16_dot(const float* queries, const uint16_t* key_cache, c
             for (int64_t h = 0; h < heads; ++h) {
                 const uint16_t* v = block_rows(value_cache, table, t, block_stride, head_offset + h * head_stride,
                                                block_size, head_dim);
-                for (int64_t i = 0; i < run; i += 16) {
-                    const int64_t n = std::min<int64_t>(16, run - i);
-                    for (int64_t j = 0; j < n * chunks; ++j)  // widen: a bf16 is the top half of a float32
-                        _mm512_storeu_ps(tile + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i * head_dim + 16 * j))), 16)));
-                    for (int64_t g = 0; g < group; ++g)
-                        accumulate_rows(scores + (h * group + g) * context_len + t + i, tile, n, chunks,
-                                        first_out + (h * group + g) * head_dim);
-                }
+                add_value_pairs(reinterpret_cast<const uint16_t*>(scores + h * group * context_len) + t,
+                                2 * context_len, v, run, head_dim, group, first_out + h * group * head_dim);
             }
             t += run;
         }

@@ -87,21 +87,16 @@ def bf16_dot_products() -> bool:
     return "avx512_bf16" in flags and "avx512bw" in flags
 
 
-def amx_decode(head_dim: int, group: int) -> bool:
-    """Whether the compiled decode over a bf16 cache runs on AMX tiles here: it then also rounds each
-    probability to bf16 before the value sum (as bf16 attention does)."""
-    flags = gemm.cpu_flags()
-    return rounds_query_to_bf16(head_dim, group) and "amx_bf16" in flags and "amx_tile" in flags
-
-
-def amx_decode_rows(batch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
-    """Where the AMX decode runs, each decode row's expected output and the slack it is allowed: the scaled
-    query rounded to bf16 against the widened cache, the softmax rounded to bf16, the value sum exact (float64
-    here). A probability within the kernel's float32 error (3e-5 relative, the scores' sums and its exp) of a bf16
-    rounding midpoint may round either way, so each such one is allowed one bf16 step times its value row."""
+def bf16_decode_rows(batch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """Where the compiled decode over a bf16 cache runs (on AMX tiles or with AVX512-BF16: both round the scaled
+    query and each probability to bf16, as bf16 attention does), each decode row's expected output and the slack
+    it is allowed: the scaled query rounded to bf16 against the widened cache, the softmax rounded to bf16, the
+    value sum exact (float64 here). A probability within the kernel's float32 error (3e-5 relative, the scores'
+    sums and its exp) of a bf16 rounding midpoint may round either way, so each such one is allowed one bf16 step
+    times its value row."""
     num_heads, num_kv_heads, head_dim = batch.query.shape[1], batch.key_cache.shape[1], batch.query.shape[2]
     group, block_size = num_heads // num_kv_heads, batch.key_cache.shape[2]
-    if not amx_decode(head_dim, group):
+    if not rounds_query_to_bf16(head_dim, group):
         return {}
     widened = [cache.bfloat16().double() for cache in (batch.key_cache, batch.value_cache)]
     starts, rows = batch.query_start_loc.tolist(), {}
@@ -124,10 +119,10 @@ def amx_decode_rows(batch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # n
 
 
 def assert_close_over_bf16_cache(out: torch.Tensor, batch, expected: torch.Tensor, atol: float) -> None:  # noqa: ANN001
-    """``out`` within ``atol`` + 1e-5 relative of ``expected``, its decode rows compared to ``amx_decode_rows``
-    (with their slack) where the AMX decode runs."""
+    """``out`` within ``atol`` + 1e-5 relative of ``expected``, its decode rows compared to ``bf16_decode_rows``
+    (with their slack) where the compiled bf16 decode runs."""
     expected, slack = expected.clone(), torch.zeros_like(expected)
-    for row, (want, allowed) in amx_decode_rows(batch).items():
+    for row, (want, allowed) in bf16_decode_rows(batch).items():
         expected[row], slack[row] = want, allowed
     assert torch.isfinite(out).all()
     excess = (out - expected).abs() - (atol + 1e-5 * expected.abs() + slack)
