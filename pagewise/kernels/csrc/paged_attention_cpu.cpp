@@ -407,23 +407,14 @@ PAGEWISE_BF16_DOT inline void add_value_pairs_of(const uint16_t* probs, int64_t 
             acc[g][0] = _mm512_loadu_ps(out + g * head_dim + c);
             acc[g][1] = _mm512_loadu_ps(out + g * head_dim + c + 16);
         }
-        int64_t i = 0;
-        for (; i + 2 <= n; i += 2) {
-            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c), b = _mm512_loadu_si512(v + (i + 1) * head_dim + c);
+        for (int64_t i = 0; i < n; i += 2) {
+            const bool both = i + 1 < n;
+            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c);
+            const __m512i b = both ? _mm512_loadu_si512(v + (i + 1) * head_dim + c) : _mm512_setzero_si512();
             const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
             const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
             for (int g = 0; g < G; ++g) {
-                const __m512bh p = probability_pair(probs + g * probs_stride + i, true);
-                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, lo);
-                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, hi);
-            }
-        }
-        if (i < n) {
-            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c), zero = _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, zero);
-            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, zero);
-            for (int g = 0; g < G; ++g) {
-                const __m512bh p = probability_pair(probs + g * probs_stride + i, false);
+                const __m512bh p = probability_pair(probs + g * probs_stride + i, both);
                 acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, lo);
                 acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, hi);
             }
