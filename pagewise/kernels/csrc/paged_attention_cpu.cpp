@@ -772,8 +772,9 @@ void attend_sequence_bf16(const float* queries, const uint16_t* key_cache, const
            scores, tile, out);
 }
 
+// The AMX kernel's scratch; the AVX512-BF16 one needs none past its scores.
 inline int64_t bf16_decode_scratch(int64_t num_heads, int64_t head_dim, int64_t longest) {
-    return std::max(16 * head_dim, amx_decode_scratch(num_heads, head_dim, longest));
+    return cpu_has_amx_bf16() ? amx_decode_scratch(num_heads, head_dim, longest) : 0;
 }
 
 // ---- prefill attention over a bf16 cache (AVX512-BF16): a tile of a sequence's new tokens at once
