@@ -355,52 +355,37 @@ PAGEWISE_BF16_DOT inline __m512 dot_bf16(const uint16_t* k, const __m512bh* q, i
     return acc;
 }
 
-// o += sum over j < rows of p[j] * row j of `tile` (rows of 16 * C floats), the C output vectors held in
-// registers across the rows: C independent chains of multiply-adds instead of one chain per output vector.
-template <int C>
-PAGEWISE_BF16_DOT inline void accumulate_rows_of(const float* p, const float* tile, int64_t rows, float* o) {
-    __m512 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + 16 * c);
-    for (int64_t j = 0; j < rows; ++j) {
-        const __m512 weight = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(tile + (j * C + c) * 16), acc[c]);
-    }
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-}
-
-// `accumulate_rows_of` for a head of `chunks` (an even number up to 16) vectors of 16 floats.
-PAGEWISE_BF16_DOT inline void accumulate_rows(const float* p, const float* tile, int64_t rows, int64_t chunks,
-                                              float* o) {
-    switch (chunks) {
-        case 2: return accumulate_rows_of<2>(p, tile, rows, o);
-        case 4: return accumulate_rows_of<4>(p, tile, rows, o);
-        case 6: return accumulate_rows_of<6>(p, tile, rows, o);
-        case 8: return accumulate_rows_of<8>(p, tile, rows, o);
-        case 10: return accumulate_rows_of<10>(p, tile, rows, o);
-        case 12: return accumulate_rows_of<12>(p, tile, rows, o);
-        case 14: return accumulate_rows_of<14>(p, tile, rows, o);
-        default: return accumulate_rows_of<16>(p, tile, rows, o);
-    }
-}
-
 // The bf16 pair (p[0], p[1]) — (p[0], 0) unless `both` — in every 32-bit lane.
 PAGEWISE_BF16_DOT inline __m512bh probability_pair(const uint16_t* p, bool both) {
-    const uint32_t bits = p[0] | (both ? static_cast<uint32_t>(p[1]) << 16 : 0u);
+    uint32_t bits = p[0];
+    if (both) std::memcpy(&bits, p, sizeof bits);  // little-endian: p[0] in the low half
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
+// Lanes of `vpermt2w` that interleave two rows' 32 bf16 elements by pairs: the first 16 elements of each row,
+// then the last 16.
+alignas(64) constexpr uint16_t PAIRS_LOW[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t PAIRS_HIGH[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// Two value rows' 32 bf16 elements a and b as pairs per 32-bit lane: lo lane k holds (a[k], b[k]) and hi lane k
+// (a[16 + k], b[16 + k]), so one `vdpbf16ps` against the pair of their weights sums both rows' products.
+struct ValuePairs {
+    __m512bh lo, hi;
+};
+PAGEWISE_BF16_DOT inline ValuePairs interleave_value_pair(__m512i a, __m512i b) {
+    return {(__m512bh)_mm512_permutex2var_epi16(a, _mm512_load_si512(PAIRS_LOW), b),
+            (__m512bh)_mm512_permutex2var_epi16(a, _mm512_load_si512(PAIRS_HIGH), b)};
+}
+
 // out[g] += sum over i < n of p_g[i] * v[i] for g < G, 32 dims at a time: bf16 probabilities (row g at
-// probs + g * probs_stride) against bf16 value rows (`head_dim` apart) read in place, two tokens per `vdpbf16ps` —
-// each lane holds the pair (v[i][d], v[i + 1][d]) against the pair (p[i], p[i + 1]): exact products, float32 sums.
-// An odd last token pairs with zeros. The 2 * G accumulators of a 32-dim slice stay in registers over the rows.
+// probs + g * probs_stride) against bf16 value rows (`head_dim` apart) read in place, two tokens per `vdpbf16ps`
+// (`interleave_value_pair`): exact products, float32 sums. An odd last token pairs with zeros. The 2 * G
+// accumulators of a 32-dim slice stay in registers over the rows.
 template <int G>
 PAGEWISE_BF16_DOT inline void add_value_pairs_of(const uint16_t* probs, int64_t probs_stride, const uint16_t* v,
                                                  int64_t n, int64_t head_dim, float* out) {
-    alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
     for (int64_t c = 0; c < head_dim; c += 32) {
         __m512 acc[G][2];
         for (int g = 0; g < G; ++g) {
@@ -409,14 +394,13 @@ PAGEWISE_BF16_DOT inline void add_value_pairs_of(const uint16_t* probs, int64_t 
         }
         for (int64_t i = 0; i < n; i += 2) {
             const bool both = i + 1 < n;
-            const __m512i a = _mm512_loadu_si512(v + i * head_dim + c);
-            const __m512i b = both ? _mm512_loadu_si512(v + (i + 1) * head_dim + c) : _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
-            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+            const ValuePairs pairs = interleave_value_pair(
+                _mm512_loadu_si512(v + i * head_dim + c),
+                both ? _mm512_loadu_si512(v + (i + 1) * head_dim + c) : _mm512_setzero_si512());
             for (int g = 0; g < G; ++g) {
                 const __m512bh p = probability_pair(probs + g * probs_stride + i, both);
-                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, lo);
-                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, hi);
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, pairs.lo);
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, pairs.hi);
             }
         }
         for (int g = 0; g < G; ++g) {
@@ -786,41 +770,76 @@ inline int64_t bf16_decode_scratch(int64_t num_heads, int64_t head_dim, int64_t 
 // pair of the query (broadcast) against one pair of sixteen keys and no horizontal sum is needed. Keys go
 // `PREFILL_KEYS` at a time: every row's scores against them, then each row's softmax over them (the online one:
 // a running peak and total per row, the partial output rescaled when the peak rises), then each row's value sum
-// with its output held in registers, the value rows widened to float32 once for all the tile's rows. A row sees
-// the keys up to its own position only. Numerically this is the decode kernel's function: the query times the
-// scale rounded to bf16, exact bf16 products summed in float32, float32 softmax and value sums (in another order).
+// with its output held in registers: the pass's value rows are interleaved by pairs of tokens once for all the
+// tile's rows, and each row's weights, rounded to bf16, go against them two tokens per `vdpbf16ps` (as decode's
+// `add_value_pairs`). A row sees the keys up to its own position only. Numerically: the query times the scale
+// rounded to bf16, exact bf16 products summed in float32 for the scores; per pass, each weight (the exp of its
+// score less the row's running peak, in float32) rounded to bf16 against the bf16 values, float32 sums; the
+// normaliser the float32 sum of the unrounded weights — bf16 attention's rounding of the probabilities, taken
+// before the normalisation as online softmax must (decode rounds the normalised probabilities).
 constexpr int64_t PREFILL_TILE = 32;   // query tokens per work unit
 constexpr int64_t PREFILL_ROWS = 8;    // query rows whose scores are computed together (shared key registers)
 constexpr int64_t PREFILL_KEYS = 256;  // keys per pass (a multiple of 16)
 
-// o_r += sum over j < count of p_r[j] * row j of `values` (rows of 16 * C floats) for R rows at once (row r's
-// weights at p + r * p_stride, its output at o + r * 16 * C): each value row is loaded once for the R rows, and
-// the R * C output vectors stay in registers across the rows.
+// o_r += sum over pairs i < n of (w_r[2i], w_r[2i + 1]) . (values' pair i) for R rows at once: row r's bf16
+// weights at w + r * w_stride, its float32 output (16 * C dims) at o + r * 16 * C; `values` holds a pass's value
+// rows interleaved by pairs of tokens (`interleave_value_pair`), C registers a pair. Each pair is loaded once for
+// the R rows, and the R * C output vectors stay in registers across the pairs.
 template <int C, int R>
-PAGEWISE_BF16_DOT inline void accumulate_shared_rows(const float* p, int64_t p_stride, const float* values,
-                                                     int64_t count, float* o) {
+PAGEWISE_BF16_DOT inline void add_shared_pairs(const uint16_t* w, int64_t w_stride, const uint16_t* values,
+                                               int64_t n, float* o) {
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + (r * C + c) * 16);
-    for (int64_t j = 0; j < count; ++j) {
-        __m512 row[C];
-        for (int c = 0; c < C; ++c) row[c] = _mm512_loadu_ps(values + (j * C + c) * 16);
+    for (int64_t i = 0; i < n; ++i) {
+        __m512bh pair[C];
+        for (int c = 0; c < C; ++c) pair[c] = (__m512bh)_mm512_loadu_si512(values + (i * C + c) * 32);
         for (int r = 0; r < R; ++r) {
-            const __m512 weight = _mm512_set1_ps(p[r * p_stride + j]);
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(weight, row[c], acc[r][c]);
+            const __m512bh weights = probability_pair(w + r * w_stride + 2 * i, true);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], weights, pair[c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (r * C + c) * 16, acc[r][c]);
 }
 
+// Rows of C = head_dim / 16 output registers each that `add_shared_pairs` takes at once: as many as keep the
+// outputs, one pair's registers and a weight pair within the 32 vector registers.
+constexpr int shared_pair_rows(int C) { return C == 2 ? 8 : C == 4 ? 6 : C == 6 ? 4 : C == 8 ? 2 : 1; }
+
+// `add_shared_pairs` for `rows` rows (row r's weights at w + r * w_stride, its output at o + r * 16 * C), C of
+// them at a time while they last, then one at a time.
+template <int C>
+PAGEWISE_BF16_DOT inline void add_pairs_of(const uint16_t* w, int64_t w_stride, const uint16_t* values, int64_t n,
+                                           int64_t rows, float* o) {
+    constexpr int R = shared_pair_rows(C);
+    int64_t r = 0;
+    for (; R > 1 && r + R <= rows; r += R) add_shared_pairs<C, R>(w + r * w_stride, w_stride, values, n, o + r * 16 * C);
+    for (; r < rows; ++r) add_shared_pairs<C, 1>(w + r * w_stride, w_stride, values, n, o + r * 16 * C);
+}
+
+// `add_pairs_of` for a head of `chunks` (an even number up to 16) vectors of 16 floats.
+PAGEWISE_BF16_DOT inline void add_pairs(const uint16_t* w, int64_t w_stride, const uint16_t* values, int64_t n,
+                                        int64_t rows, int64_t chunks, float* o) {
+    switch (chunks) {
+        case 2: return add_pairs_of<2>(w, w_stride, values, n, rows, o);
+        case 4: return add_pairs_of<4>(w, w_stride, values, n, rows, o);
+        case 6: return add_pairs_of<6>(w, w_stride, values, n, rows, o);
+        case 8: return add_pairs_of<8>(w, w_stride, values, n, rows, o);
+        case 10: return add_pairs_of<10>(w, w_stride, values, n, rows, o);
+        case 12: return add_pairs_of<12>(w, w_stride, values, n, rows, o);
+        case 14: return add_pairs_of<14>(w, w_stride, values, n, rows, o);
+        default: return add_pairs_of<16>(w, w_stride, values, n, rows, o);
+    }
+}
+
 // Per-thread buffers of `prefill_unit_bf16_dot` for tiles of up to `PREFILL_TILE` tokens of `group` query rows.
 struct PrefillScratch {
     std::vector<uint32_t> queries;  // rows x head_dim / 2: bf16 pairs
     std::vector<float> peak, total, out;
-    std::vector<float> scores;      // rows x PREFILL_KEYS: then the weights
+    std::vector<float> scores;      // rows x PREFILL_KEYS: then each row's bf16 weights over its first half
     std::vector<uint32_t> keys;     // head_dim / 2 registers of 16 lanes
-    std::vector<float> values;      // PREFILL_KEYS x head_dim
+    std::vector<uint16_t> values;   // PREFILL_KEYS / 2 pairs of value rows, interleaved (`interleave_value_pair`)
     PrefillScratch(int64_t group, int64_t head_dim)
         : queries(PREFILL_TILE * group * head_dim / 2), peak(PREFILL_TILE * group), total(PREFILL_TILE * group),
           out(PREFILL_TILE * group * head_dim), scores(PREFILL_TILE * group * PREFILL_KEYS), keys(8 * head_dim),
@@ -842,7 +861,7 @@ void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint1
     float *peak = scratch.peak.data(), *total = scratch.total.data(), *o = scratch.out.data();
     float* s = scratch.scores.data();
     uint32_t* kt = scratch.keys.data();
-    float* v = scratch.values.data();
+    uint16_t* v = scratch.values.data();
     for (int64_t r = 0; r < rows; ++r) {
         const float* row = query + (r / group) * query_stride + (r % group) * head_dim;
         for (int64_t c = 0; c < head_dim; c += 32)
@@ -867,10 +886,22 @@ void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint1
                     const uint32_t* k32 = reinterpret_cast<const uint32_t*>(
                         block_rows(key_cache, table, t, block_stride, head_offset, block_size, head_dim));
                     for (int64_t d = 0; d < pairs; ++d) kt[d * 16 + j] = k32[d];
-                    widen_rows(block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim),
-                               head_dim, v + (kb + j) * head_dim);
                 } else {  // lanes past the keys: scores never read
                     for (int64_t d = 0; d < pairs; ++d) kt[d * 16 + j] = 0;
+                }
+            }
+            for (int64_t j = 0; j < n; j += 2) {  // an odd last key pairs with zeros (its partner's weight is 0)
+                const int64_t t = k0 + kb + j;
+                const uint16_t* a = block_rows(value_cache, table, t, block_stride, head_offset, block_size, head_dim);
+                const uint16_t* b = j + 1 < n ? block_rows(value_cache, table, t + 1, block_stride, head_offset,
+                                                           block_size, head_dim)
+                                              : nullptr;
+                uint16_t* dst = v + (kb + j) / 2 * 2 * head_dim;
+                for (int64_t c = 0; c < head_dim; c += 32) {
+                    const ValuePairs both = interleave_value_pair(_mm512_loadu_si512(a + c),
+                                                                  b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512());
+                    _mm512_storeu_si512(dst + 2 * c, (__m512i)both.lo);
+                    _mm512_storeu_si512(dst + 2 * c + 32, (__m512i)both.hi);
                 }
             }
             // Rows that see none of this block's keys are skipped too.
@@ -892,6 +923,8 @@ void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint1
         }
         for (int64_t r = first_row; r < rows; ++r) {
             float* row = s + r * PREFILL_KEYS;
+            // The bf16 weights over the row's first half: 16 written at 2t after the 16 floats at 4t were read.
+            uint16_t* weights = reinterpret_cast<uint16_t*>(row);
             const int64_t count = seen(r), full = count & ~int64_t{15};
             const __mmask16 tail = static_cast<__mmask16>((1u << (count - full)) - 1);
             __m512 peak16 = _mm512_set1_ps(-std::numeric_limits<float>::max());
@@ -903,7 +936,7 @@ void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint1
             for (int64_t t = 0; t < kn; t += 16) {  // weights past the row's keys are 0 (rows share value sums)
                 const __mmask16 live = t < full ? __mmask16(0xFFFF) : t == full ? tail : __mmask16(0);
                 const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peaks)));
-                _mm512_storeu_ps(row + t, e);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + t), (__m256i)_mm512_cvtneps_pbh(e));
                 sum16 = _mm512_add_ps(sum16, e);
             }
             if (new_peak > old_peak && total[r] > 0.f) {  // rescale what was summed under the old peak
@@ -916,21 +949,12 @@ void prefill_unit_bf16_dot(const float* query, int64_t query_stride, const uint1
             peak[r] = new_peak;
             total[r] += _mm512_reduce_add_ps(sum16);
         }
-        const int64_t shared = chunks == 2 ? 8 : chunks == 4 ? 4 : chunks == 8 ? 2 : 1;
+        // Rows in groups `add_pairs` takes at once, each group up to the keys its last row sees (the most).
+        const int64_t shared = shared_pair_rows(static_cast<int>(chunks));
         for (int64_t r = first_row; r < rows; r += shared) {
-            const int64_t m = std::min(shared, rows - r), count = seen(r + m - 1);  // the last row sees the most
-            float* out_rows = o + r * head_dim;
-            const float* weights = s + r * PREFILL_KEYS;
-            if (m < shared || shared == 1) {
-                for (int64_t i = 0; i < m; ++i)
-                    accumulate_rows(weights + i * PREFILL_KEYS, v, count, chunks, out_rows + i * head_dim);
-            } else if (chunks == 2) {
-                accumulate_shared_rows<2, 8>(weights, PREFILL_KEYS, v, count, out_rows);
-            } else if (chunks == 4) {
-                accumulate_shared_rows<4, 4>(weights, PREFILL_KEYS, v, count, out_rows);
-            } else {
-                accumulate_shared_rows<8, 2>(weights, PREFILL_KEYS, v, count, out_rows);
-            }
+            const int64_t m = std::min(shared, rows - r), count = seen(r + m - 1);
+            add_pairs(reinterpret_cast<const uint16_t*>(s + r * PREFILL_KEYS), 2 * PREFILL_KEYS, v, (count + 1) / 2, m,
+                      chunks, o + r * head_dim);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

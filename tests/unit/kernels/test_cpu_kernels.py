@@ -108,21 +108,79 @@ def bf16_decode_rows(batch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # 
         keys, values = (c[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length] for c in widened)
         query = (batch.query[starts[s]] * batch.scale).bfloat16().double().view(num_kv_heads, group, head_dim)
         exact = torch.softmax(query @ keys.transpose(1, 2), dim=-1)
-        rounded = exact.float().bfloat16().double()
-        step = torch.exp2(torch.floor(torch.log2(exact.clamp_min(1e-30))) - 7)  # a bf16 step at p
-        near_midpoint = (step / 2 - (exact - rounded).abs()) < 3e-5 * exact
+        rounded, either_way = bf16_rounding(exact)
         rows[starts[s]] = (
             (rounded @ values).reshape(num_heads, head_dim).float(),
-            ((step * near_midpoint) @ values.abs()).reshape(num_heads, head_dim).float(),
+            (either_way @ values.abs()).reshape(num_heads, head_dim).float(),
         )
     return rows
 
 
-def assert_close_over_bf16_cache(out: torch.Tensor, batch, expected: torch.Tensor, atol: float) -> None:  # noqa: ANN001
+def bf16_rounding(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights in [0, 1] (float64) rounded to bf16, and for each the one bf16 step it may round the other way
+    by: nonzero only within the kernels' float32 error (3e-5 relative, the scores' sums and their exp) of a
+    rounding midpoint."""
+    rounded = exact.float().bfloat16().double()
+    step = torch.exp2(torch.floor(torch.log2(exact.clamp_min(1e-30))) - 7)  # a bf16 step at the weight
+    near_midpoint = (step / 2 - (exact - rounded).abs()) < 3e-5 * exact
+    return rounded, step * near_midpoint
+
+
+PREFILL_KEYS = 256  # keys per online-softmax pass of the compiled prefill (its PREFILL_KEYS)
+
+
+def bf16_prefill_rows(batch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """Where prefill chunks run through ``paged_attention_mixed``, each chunk row's expected output and slack:
+    the scaled query rounded to bf16 against the widened cache; per pass of ``PREFILL_KEYS`` keys, the running
+    peak raised to the pass's highest score the row sees (what was summed before scaled down with it), each
+    weight exp(score - peak) rounded to bf16 against its value row, the normaliser the sum of the unrounded
+    weights — the compiled online softmax, exact (float64) here, with ``bf16_rounding``'s slack."""
+    num_heads, num_kv_heads, head_dim = batch.query.shape[1], batch.key_cache.shape[1], batch.query.shape[2]
+    group, block_size = num_heads // num_kv_heads, batch.key_cache.shape[2]
+    widened = [cache.bfloat16().double() for cache in (batch.key_cache, batch.value_cache)]
+    starts, rows = batch.query_start_loc.tolist(), {}
+    for s in range(len(starts) - 1):
+        q_len, length = starts[s + 1] - starts[s], int(batch.seq_lens[s])
+        if q_len == 1:
+            continue
+        blocks = batch.block_tables[s, : -(-length // block_size)].long()
+        keys, values = (
+            c[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length].repeat_interleave(group, 0)
+            for c in widened
+        )
+        query = (batch.query[starts[s] : starts[s + 1]] * batch.scale).bfloat16().double().transpose(0, 1)
+        scores = query @ keys.transpose(1, 2)  # heads x q_len x length
+        positions = torch.arange(length - q_len, length)
+        scores[:, torch.arange(length)[None, :] > positions[:, None]] = -torch.inf
+        peak = torch.full((num_heads, q_len, 1), -torch.inf, dtype=torch.float64)
+        total = torch.zeros_like(peak)
+        out, slack = torch.zeros_like(query), torch.zeros_like(query)
+        for k0 in range(0, length, PREFILL_KEYS):
+            passed = scores[..., k0 : k0 + PREFILL_KEYS]
+            new_peak = torch.maximum(peak, passed.amax(-1, keepdim=True))
+            shrink = torch.where(total > 0, torch.exp(peak - new_peak), 0.0)
+            weights = torch.exp(passed - new_peak)
+            rounded, either_way = bf16_rounding(weights)
+            out = out * shrink + rounded @ values[:, k0 : k0 + PREFILL_KEYS]
+            slack = slack * shrink + either_way @ values[:, k0 : k0 + PREFILL_KEYS].abs()
+            total, peak = total * shrink + weights.sum(-1, keepdim=True), new_peak
+        for i in range(q_len):
+            rows[starts[s] + i] = (
+                (out[:, i] / total[:, i]).float(),
+                (slack[:, i] / total[:, i]).float(),
+            )
+    return rows
+
+
+def assert_close_over_bf16_cache(  # noqa: ANN001
+    out: torch.Tensor, batch, expected: torch.Tensor, atol: float, prefill_compiled: bool = False
+) -> None:
     """``out`` within ``atol`` + 1e-5 relative of ``expected``, its decode rows compared to ``bf16_decode_rows``
-    (with their slack) where the compiled bf16 decode runs."""
+    (with their slack) where the compiled bf16 decode runs, and its prefill rows to ``bf16_prefill_rows`` where
+    ``prefill_compiled`` (the step ran through ``paged_attention_mixed``)."""
     expected, slack = expected.clone(), torch.zeros_like(expected)
-    for row, (want, allowed) in bf16_decode_rows(batch).items():
+    modelled = {**bf16_decode_rows(batch), **(bf16_prefill_rows(batch) if prefill_compiled else {})}
+    for row, (want, allowed) in modelled.items():
         expected[row], slack[row] = want, allowed
     assert torch.isfinite(out).all()
     excess = (out - expected).abs() - (atol + 1e-5 * expected.abs() + slack)
@@ -184,7 +242,7 @@ def test_mixed_steps_over_a_bf16_cache_random_shapes(seed: int, paged_batch) -> 
     batch = paged_batch(seq_lens, q_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size, seed=seed)
     caches = [cache.bfloat16() for cache in batch.poisoned_caches()]
     out = batch.attend(torch.ops.pagewise_cpu.paged_attention_mixed, *caches)
-    assert_close_over_bf16_cache(out, batch, bf16_dot_reference(batch), atol=2e-5)
+    assert_close_over_bf16_cache(out, batch, bf16_dot_reference(batch), atol=2e-5, prefill_compiled=True)
 
 
 @pytest.mark.skipif(not bf16_dot_products(), reason="paged_attention_mixed needs AVX512-BF16")
@@ -211,7 +269,9 @@ def test_attention_over_a_bf16_cache_matches_reference(case: str, paged_batch) -
     caches = [cache.bfloat16() for cache in batch.poisoned_caches()]  # NaN stays NaN: unused slots still poison
     out = batch.attend(cpu_ops.paged_attention, *caches)
     assert out.dtype == torch.float32
-    assert_close_over_bf16_cache(out, batch, expected_over_bf16_cache(batch), atol=1e-5)
+    assert_close_over_bf16_cache(
+        out, batch, expected_over_bf16_cache(batch), atol=1e-5, prefill_compiled=mixed_steps_compiled(batch, caches[0])
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
