@@ -807,15 +807,14 @@ PAGEWISE_BF16_DOT inline void add_shared_pairs(const uint16_t* w, int64_t w_stri
 // outputs, one pair's registers and a weight pair within the 32 vector registers.
 constexpr int shared_pair_rows(int C) { return C == 2 ? 8 : C == 4 ? 6 : C == 6 ? 4 : C == 8 ? 2 : 1; }
 
-// `add_shared_pairs` for `rows` rows (row r's weights at w + r * w_stride, its output at o + r * 16 * C),
-// `shared_pair_rows(C)` of them at a time while they last, then one at a time.
+// `add_shared_pairs` for a group of `rows` <= `shared_pair_rows(C)` rows (row r's weights at w + r * w_stride, its
+// output at o + r * 16 * C): all at once when the group is full, else one row at a time.
 template <int C>
 PAGEWISE_BF16_DOT inline void add_pairs_of(const uint16_t* w, int64_t w_stride, const uint16_t* values, int64_t n,
                                            int64_t rows, float* o) {
     constexpr int R = shared_pair_rows(C);
-    int64_t r = 0;
-    for (; R > 1 && r + R <= rows; r += R) add_shared_pairs<C, R>(w + r * w_stride, w_stride, values, n, o + r * 16 * C);
-    for (; r < rows; ++r) add_shared_pairs<C, 1>(w + r * w_stride, w_stride, values, n, o + r * 16 * C);
+    if (rows == R) return add_shared_pairs<C, R>(w, w_stride, values, n, o);
+    for (int64_t r = 0; r < rows; ++r) add_shared_pairs<C, 1>(w + r * w_stride, w_stride, values, n, o + r * 16 * C);
 }
 
 // `add_pairs_of` for a head of `chunks` (an even number up to 16) vectors of 16 floats.
